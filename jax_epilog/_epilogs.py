@@ -1,0 +1,151 @@
+"""The epilog table: activations, compute types, cuBLASLt epilog names and the aux layout.
+
+This module is pure data and arithmetic. It imports neither nvmath nor anything that
+touches a GPU, so the CPU path, the validation and the GPU path all share one truth.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import NamedTuple
+
+import numpy as np
+
+__all__ = [
+    "Activation",
+    "ComputeType",
+    "EpilogSpec",
+    "aux_dtype",
+    "aux_padded_width",
+    "default_compute_type",
+    "epilog_name",
+    "valid_compute_types",
+]
+
+
+class Activation(str, enum.Enum):
+    """Activations that cuBLASLt can apply in the GEMM epilog.
+
+    ``GELU`` is cuBLASLt's GELU: the tanh approximation, i.e.
+    ``jax.nn.gelu(z, approximate=True)``. There is no exact-erf GELU epilog.
+    """
+
+    RELU = "relu"
+    GELU = "gelu"
+
+
+class ComputeType(enum.IntEnum):
+    """cuBLAS compute types (values of ``cublasComputeType_t``).
+
+    The names and values equal ``nvmath.linalg.advanced.MatmulComputeType``'s, so either
+    enum, or the name as a string, may be passed as ``compute_type``.
+    """
+
+    COMPUTE_16F = 64
+    COMPUTE_16F_PEDANTIC = 65
+    COMPUTE_32F = 68
+    COMPUTE_32F_PEDANTIC = 69
+    COMPUTE_64F = 70
+    COMPUTE_64F_PEDANTIC = 71
+    COMPUTE_32F_FAST_16F = 74
+    COMPUTE_32F_FAST_16BF = 75
+    COMPUTE_32F_FAST_TF32 = 77
+
+
+_CT = ComputeType
+_HALF_32F = (_CT.COMPUTE_32F, _CT.COMPUTE_32F_PEDANTIC)
+# What cuBLASLt runs for each operand dtype (nvmath 1.0's `is_supported` table, less the
+# FP8/complex rows). Keyed by (operand dtype, bias dtype is float32 while operands are half).
+_VALID_COMPUTE_TYPES: dict[tuple[str, bool], tuple[ComputeType, ...]] = {
+    ("float16", False): (*_HALF_32F, _CT.COMPUTE_16F, _CT.COMPUTE_16F_PEDANTIC),
+    # float32 bias with half operands runs with a float32 epilog (see _dense.py): a 16-bit
+    # accumulator cannot feed it.
+    ("float16", True): _HALF_32F,
+    ("bfloat16", False): _HALF_32F,
+    ("bfloat16", True): _HALF_32F,
+    ("float32", False): (
+        *_HALF_32F,
+        _CT.COMPUTE_32F_FAST_TF32,
+        _CT.COMPUTE_32F_FAST_16F,
+        _CT.COMPUTE_32F_FAST_16BF,
+    ),
+    # float64 never reaches cuBLASLt: it runs on XLA's path everywhere (documented).
+    ("float64", False): (_CT.COMPUTE_64F, _CT.COMPUTE_64F_PEDANTIC),
+}
+
+SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64")
+HALF_DTYPES = ("float16", "bfloat16")
+
+
+def valid_compute_types(dtype: str, f32_bias: bool) -> tuple[ComputeType, ...]:
+    return _VALID_COMPUTE_TYPES[(dtype, f32_bias)]
+
+
+def default_compute_type(dtype: str) -> ComputeType:
+    """32-bit accumulation for half and single precision, 64-bit for double."""
+    return _CT.COMPUTE_64F if dtype == "float64" else _CT.COMPUTE_32F
+
+
+def epilog_name(activation: Activation | None, has_bias: bool, with_aux: bool) -> str:
+    """The ``cublasLtEpilogue_t`` name (without prefix), e.g. ``"RELU_AUX_BIAS"``."""
+    if activation is None:
+        return "BIAS" if has_bias else "DEFAULT"
+    parts = [activation.name]
+    if with_aux:
+        parts.append("AUX")
+    if has_bias:
+        parts.append("BIAS")
+    return "_".join(parts)
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def aux_padded_width(activation: Activation, n: int) -> int:
+    """Length of the aux's last axis for ``n`` output features.
+
+    cuBLASLt writes D as an (N x M) column-major matrix, so each row of ``y`` is one
+    column of D and one row of the aux:
+      * ReLU: a bit-mask, bit ``j % 8`` of byte ``j // 8`` is ``z[j] > 0``; the row holds
+        ``n`` bits padded to a multiple of 128 bits (cuBLASLt's leading-dimension rule),
+        stored as uint8, so the width is ``round_up(n, 128) // 8`` bytes.
+      * GELU: the pre-activation ``z``, padded to a multiple of 8 elements.
+    The padding's contents are unspecified.
+    """
+    if activation is Activation.RELU:
+        return _round_up(n, 128) // 8
+    return _round_up(n, 8)
+
+
+def aux_dtype(activation: Activation, epilog_dtype: np.dtype) -> np.dtype:
+    """uint8 bits for ReLU; GELU keeps ``z`` in the epilog's (D's) dtype."""
+    return np.dtype(np.uint8) if activation is Activation.RELU else np.dtype(epilog_dtype)
+
+
+class EpilogSpec(NamedTuple):
+    """Everything that fixes one cuBLASLt problem, in the GPU's column-major terms.
+
+    D[n, m] = act(A[n, k] @ B[k, m] + bias[n]) with A = kernel (row-major (k, n)) and
+    B = x (row-major (m, k)): no transposes, and the bias runs along D's rows.
+    """
+
+    m: int
+    n: int
+    k: int
+    epilog: str  # cublasLtEpilogue_t name, e.g. "GELU_AUX_BIAS"
+    compute_type: str  # ComputeType name
+    ab_dtype: str  # dtype of x and kernel
+    bias_dtype: str | None  # None without bias
+    d_dtype: str  # dtype of D (and of the GELU aux)
+
+    @property
+    def has_aux(self) -> bool:
+        return "AUX" in self.epilog
+
+    @property
+    def activation(self) -> Activation | None:
+        for act in Activation:
+            if self.epilog.startswith(act.name):
+                return act
+        return None

@@ -1,0 +1,264 @@
+"""The only module that imports nvmath-python: planning, the plan cache and execution.
+
+A plan is an nvmath ``Matmul`` planned once per (device, problem, pointer alignment). Its
+cuBLASLt descriptors, layouts and chosen algorithm are then reused by ``Plan.run``, which
+does only what a steady-state call must: point the descriptor at this call's bias and aux
+buffers and launch ``cublasLtMatmul`` on the caller's stream with the caller's buffers.
+``run`` allocates nothing, synchronises nothing and is legal under CUDA-graph capture.
+
+``Plan.run`` reaches below nvmath's public API (``Matmul.execute`` validates operands and
+allocates per call, which costs 30-60 µs of host time). The private attributes it needs
+are listed in ``_MATMUL_INTERNALS`` and checked when a plan is made, so an nvmath release
+that renames them fails loudly, at planning, with a message that says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any
+
+import cupy as cp
+import ml_dtypes
+import numpy as np
+import nvmath
+from cuda.bindings import runtime as cudart
+from nvmath.bindings import cublasLt
+from nvmath.linalg._internal import matmul_pref_ifc
+from nvmath.linalg.advanced import Matmul, MatmulComputeType, MatmulEpilog, MatmulOptions
+
+from ._epilogs import EpilogSpec
+
+__all__ = ["NVMATH_VERSION", "Plan", "PlanningError", "alignment_of", "current_device", "device_of", "get_plan"]
+
+NVMATH_VERSION = nvmath.__version__
+
+# nvmath Matmul internals that Plan relies on (nvmath-python 1.0).
+_MATMUL_INTERNALS = (
+    "mm_desc",
+    "a_layout_ptr",
+    "b_layout_ptr",
+    "c_layout_ptr",
+    "d_layout_ptr",
+    "alpha",
+    "beta",
+)
+
+# The planning views start this many bytes past an allocation, so nvmath's alignment
+# preferences (taken from the operands' addresses) equal the alignment the plan serves.
+_ALIGNMENTS = (256, 16)
+
+_NP_DTYPES = {
+    "float16": np.dtype(np.float16),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "float32": np.dtype(np.float32),
+}
+
+
+class PlanningError(RuntimeError):
+    """cuBLASLt cannot run this problem (no algorithm, or an unsupported combination)."""
+
+
+def _check(err: Any) -> None:
+    status = err[0] if isinstance(err, tuple) else err
+    if status != cudart.cudaError_t.cudaSuccess:
+        raise RuntimeError(f"CUDA runtime error {status!r}")
+
+
+def current_device() -> int:
+    return cp.cuda.runtime.getDevice()
+
+
+def device_of(ptr: int) -> int:
+    """The CUDA device that owns a device pointer."""
+    err, attrs = cudart.cudaPointerGetAttributes(ptr)
+    _check(err)
+    return int(attrs.device)
+
+
+@contextlib.contextmanager
+def _relaxed_capture():
+    """Allow allocations while this thread may be capturing a CUDA graph.
+
+    Planning normally happens at lowering time, but a plan for a new device or pointer
+    alignment is made inside the FFI handler, which XLA may call while capturing a command
+    buffer. Relaxed mode lets cudaMalloc run there; planning enqueues no work on the
+    captured stream.
+    """
+    err, previous = cudart.cudaThreadExchangeStreamCaptureMode(
+        cudart.cudaStreamCaptureMode.cudaStreamCaptureModeRelaxed
+    )
+    _check(err)
+    try:
+        yield
+    finally:
+        cudart.cudaThreadExchangeStreamCaptureMode(previous)
+
+
+_handles: dict[int, int] = {}
+
+
+def _handle(device_id: int) -> int:
+    # One cuBLASLt handle per device for the life of the process. nvmath's own handles are
+    # per thread and die with their thread; the FFI handler runs on XLA's threads.
+    if device_id not in _handles:
+        with cp.cuda.Device(device_id):
+            _handles[device_id] = cublasLt.create()
+    return _handles[device_id]
+
+
+class _Views:
+    """Operands for planning: correctly shaped and strided views of one small allocation.
+
+    Planning reads shapes, strides, dtypes and addresses only, never the data, so the
+    views need not be backed by memory of their full size.
+    """
+
+    def __init__(self, device_id: int, alignment: int):
+        with cp.cuda.Device(device_id):
+            self._base = cp.cuda.alloc(1024)
+        self._ptr = self._base.ptr + alignment  # aligned to `alignment`, not more
+        self._device_id = device_id
+
+    def view(self, shape, dtype: str, strides_elems) -> cp.ndarray:
+        dt = _NP_DTYPES[dtype]
+        mem = cp.cuda.UnownedMemory(self._ptr, 1 << 40, self._base, self._device_id)
+        return cp.ndarray(
+            shape,
+            dtype=dt,
+            memptr=cp.cuda.MemoryPointer(mem, 0),
+            strides=tuple(s * dt.itemsize for s in strides_elems),
+        )
+
+
+class Plan:
+    """A planned fused GEMM for one device, problem and pointer alignment."""
+
+    def __init__(self, spec: EpilogSpec, device_id: int, alignment: int):
+        self.spec = spec
+        self.device_id = device_id
+        self.alignment = alignment
+        m, n, k = spec.m, spec.n, spec.k
+        views = _Views(device_id, alignment)
+        # Column-major D[n, m] = A[n, k] @ B[k, m]: A is the row-major (k, n) kernel, B the
+        # row-major (m, k) x, D the row-major (m, n) output.
+        a = views.view((n, k), spec.ab_dtype, (1, n))
+        b = views.view((k, m), spec.ab_dtype, (1, k))
+        c = None
+        if spec.d_dtype != spec.ab_dtype:  # float32 epilog for half operands
+            c = views.view((n, m), spec.d_dtype, (1, n))
+        options = MatmulOptions(
+            compute_type=MatmulComputeType[spec.compute_type], handle=_handle(device_id)
+        )
+        epilog_inputs = None
+        if spec.bias_dtype is not None:
+            epilog_inputs = {"bias": views.view((n,), spec.bias_dtype, (1,))}
+        epilog = None if spec.epilog == "DEFAULT" else MatmulEpilog[spec.epilog]
+        try:
+            with cp.cuda.Device(device_id):
+                mm = Matmul(a, b, c=c, beta=0.0 if c is not None else None, options=options)
+                mm.plan(epilog=epilog, epilog_inputs=epilog_inputs)
+        except Exception as exc:  # nvmath raises several types for a refused problem
+            raise PlanningError(f"cuBLASLt cannot plan {spec}: {exc}") from exc
+        missing = [name for name in _MATMUL_INTERNALS if not hasattr(mm, name)]
+        if missing:
+            raise RuntimeError(
+                f"nvmath-python {NVMATH_VERSION} no longer has Matmul.{missing}: jax_epilog's "
+                "fast path (jax_epilog/_nvmath.py) needs updating for this nvmath release."
+            )
+        self._mm = mm  # owns the descriptors and layouts
+        self._handle = options.handle
+        self._desc = mm.mm_desc
+        self._layouts = (mm.a_layout_ptr, mm.b_layout_ptr, mm.c_layout_ptr, mm.d_layout_ptr)
+        self._alpha = mm.alpha.ctypes.data
+        self._beta = mm.beta.ctypes.data
+        self._heuristic = self._choose_algorithm()
+        self._algo = self._heuristic[0]["algo"].ctypes.data
+        ws_size = int(self._heuristic[0]["workspace_size"])
+        with cp.cuda.Device(device_id):
+            self._workspace = cp.cuda.alloc(ws_size) if ws_size else None
+        self._ws_ptr = self._workspace.ptr if ws_size else 0
+        self._ws_size = ws_size
+        # Host buffers holding the pointer values given to cublasLtMatmulDescSetAttribute.
+        self._ptr_buf = np.zeros(2, dtype=np.uint64)
+        self._bias_attr = cublasLt.MatmulDescAttribute.BIAS_POINTER
+        self._aux_attr = cublasLt.MatmulDescAttribute.EPILOGUE_AUX_POINTER
+        self._last = [None, None]
+        self._lock = threading.Lock()
+
+    def _choose_algorithm(self):
+        """The best heuristic algorithm for operands aligned to ``self.alignment`` bytes.
+
+        nvmath leaves D's alignment preference at cuBLASLt's default (256 bytes); XLA's
+        buffers are only guaranteed 16, so the alignment of every operand is stated here.
+        """
+        pref = cublasLt.matmul_preference_create()
+        try:
+            ifc = matmul_pref_ifc.MatmulPreferenceInterface(pref)
+            ifc.max_workspace_bytes = 64 << 20
+            ifc.min_alignment_a_bytes = self.alignment
+            ifc.min_alignment_b_bytes = self.alignment
+            ifc.min_alignment_c_bytes = self.alignment
+            ifc.min_alignment_d_bytes = self.alignment
+            result = cublasLt.MatmulHeuristicResult(1)
+            count = np.zeros(1, dtype=np.int32)
+            cublasLt.matmul_algo_get_heuristic(
+                self._handle, self._desc, *self._layouts, pref, 1, result.ptr, count.ctypes.data
+            )
+        except Exception as exc:
+            raise PlanningError(f"cuBLASLt heuristics failed for {self.spec}: {exc}") from exc
+        finally:
+            cublasLt.matmul_preference_destroy(pref)
+        if count[0] < 1:
+            raise PlanningError(f"cuBLASLt found no algorithm for {self.spec}")
+        return result
+
+    def run(self, stream: int, a: int, b: int, bias: int, d: int, aux: int) -> None:
+        """One fused GEMM on ``stream``: A = kernel, B = x, D and aux are outputs."""
+        a_layout, b_layout, c_layout, d_layout = self._layouts
+        with self._lock:
+            if bias and bias != self._last[0]:
+                self._ptr_buf[0] = bias
+                cublasLt.matmul_desc_set_attribute(
+                    self._desc, self._bias_attr, self._ptr_buf.ctypes.data, 8
+                )
+                self._last[0] = bias
+            if aux and aux != self._last[1]:
+                self._ptr_buf[1] = aux
+                cublasLt.matmul_desc_set_attribute(
+                    self._desc, self._aux_attr, self._ptr_buf.ctypes.data + 8, 8
+                )
+                self._last[1] = aux
+            cublasLt.matmul(
+                self._handle, self._desc, self._alpha, a, a_layout, b, b_layout,
+                self._beta, d, c_layout, d, d_layout, self._algo,
+                self._ws_ptr, self._ws_size, stream,
+            )  # fmt: skip
+
+
+_plans: dict[tuple[EpilogSpec, int, int], Plan] = {}
+_plans_lock = threading.Lock()
+
+
+def get_plan(spec: EpilogSpec, device_id: int, alignment: int = 256) -> Plan:
+    """The cached plan, made on first use (raises PlanningError if cuBLASLt refuses)."""
+    key = (spec, device_id, alignment)
+    plan = _plans.get(key)
+    if plan is None:
+        with _plans_lock:
+            plan = _plans.get(key)
+            if plan is None:
+                with _relaxed_capture():
+                    plan = _plans[key] = Plan(spec, device_id, alignment)
+    return plan
+
+
+def alignment_of(*ptrs: int) -> int:
+    """The largest plan alignment that all non-null pointers satisfy (0: none does)."""
+    combined = 0
+    for p in ptrs:
+        combined |= p
+    for alignment in _ALIGNMENTS:
+        if combined % alignment == 0:
+            return alignment
+    return 0

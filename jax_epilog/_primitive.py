@@ -1,0 +1,167 @@
+"""The fused-matmul primitive: abstract evaluation, per-platform lowering and batching.
+
+On CUDA the primitive lowers to our FFI custom call when nvmath-python is importable and
+cuBLASLt accepts the problem (checked by planning it at lowering time, so a refusal never
+reaches a running program). Everywhere else, and for whatever the fast path cannot take
+(float64, empty dimensions, a refused problem), it lowers to ``_reference.dense``: the same
+outputs in the same aux layout. Falling back on a GPU is announced once with a warning.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import batching, mlir
+
+from . import _reference
+from ._epilogs import ComputeType, EpilogSpec, aux_dtype, aux_padded_width, epilog_name
+
+__all__ = ["fused_matmul", "FastPathWarning"]
+
+
+class FastPathWarning(RuntimeWarning):
+    """The fused cuBLASLt path could not be used on a GPU; XLA's unfused path ran instead."""
+
+
+fused_matmul_p = Primitive("jax_epilog_fused_matmul")
+fused_matmul_p.multiple_results = True
+
+
+def fused_matmul(x, kernel, bias, *, activation, with_aux, compute_type, d_dtype, out_dtype):
+    """(m, k) x, (k, n) kernel, (n,) bias or None -> [y] or [y, aux]."""
+    operands = (x, kernel) if bias is None else (x, kernel, bias)
+    return fused_matmul_p.bind(
+        *operands,
+        activation=activation,
+        with_aux=with_aux and activation is not None,
+        compute_type=compute_type,
+        d_dtype=np.dtype(d_dtype),
+        out_dtype=np.dtype(out_dtype),
+    )
+
+
+def _abstract_eval(x, kernel, *bias, activation, with_aux, compute_type, d_dtype, out_dtype):
+    del bias, compute_type
+    m, n = x.shape[0], kernel.shape[1]
+    outs = [jax.core.ShapedArray((m, n), out_dtype)]
+    if with_aux:
+        width = aux_padded_width(activation, n)
+        outs.append(jax.core.ShapedArray((m, width), aux_dtype(activation, d_dtype)))
+    return outs
+
+
+fused_matmul_p.def_abstract_eval(_abstract_eval)
+
+
+def _reference_impl(x, kernel, *bias, activation, with_aux, compute_type, d_dtype, out_dtype):
+    d, aux = _reference.dense(
+        x, kernel, bias[0] if bias else None, activation, compute_type, d_dtype, with_aux
+    )
+    outs = [d.astype(out_dtype)]
+    return outs + [aux] if with_aux else outs
+
+
+def _impl(*args, **params):
+    return jax.jit(functools.partial(fused_matmul_p.bind, **params))(*args)
+
+
+fused_matmul_p.def_impl(_impl)
+_reference_lowering = mlir.lower_fun(_reference_impl, multiple_results=True)
+mlir.register_lowering(fused_matmul_p, _reference_lowering)
+
+
+def spec_of(x_aval, kernel_aval, bias_aval, activation, with_aux, compute_type, d_dtype):
+    return EpilogSpec(
+        m=int(x_aval.shape[0]),
+        n=int(kernel_aval.shape[1]),
+        k=int(x_aval.shape[1]),
+        epilog=epilog_name(activation, bias_aval is not None, with_aux),
+        compute_type=ComputeType(compute_type).name,
+        ab_dtype=np.dtype(x_aval.dtype).name,
+        bias_dtype=None if bias_aval is None else np.dtype(bias_aval.dtype).name,
+        d_dtype=np.dtype(d_dtype).name,
+    )
+
+
+@functools.cache
+def _warn_once(reason: str) -> None:
+    warnings.warn(
+        f"jax_epilog: using XLA's unfused path on the GPU: {reason}", FastPathWarning, stacklevel=2
+    )
+
+
+def _fast_path_refusal(spec: EpilogSpec) -> str | None:
+    """Why the cuBLASLt path cannot serve ``spec`` (None when it can); plans if it can."""
+    try:
+        from . import _ffi, _nvmath
+    except ImportError as exc:
+        return f"nvmath-python/cupy are not importable ({exc}); install jax_epilog[cuda12|cuda13]"
+    _ffi.ensure_registered()
+    try:
+        _nvmath.get_plan(spec, _nvmath.current_device())
+    except _nvmath.PlanningError as exc:
+        return str(exc)
+    return None
+
+
+def _cuda_lowering(ctx, x, kernel, *bias, activation, with_aux, compute_type, d_dtype, out_dtype):
+    params = dict(
+        activation=activation,
+        with_aux=with_aux,
+        compute_type=compute_type,
+        d_dtype=d_dtype,
+        out_dtype=out_dtype,
+    )
+    x_aval, k_aval = ctx.avals_in[:2]
+    b_aval = ctx.avals_in[2] if bias else None
+    if np.dtype(x_aval.dtype) == np.float64 or 0 in (*x_aval.shape, k_aval.shape[1]):
+        return _reference_lowering(ctx, x, kernel, *bias, **params)  # documented, no warning
+    spec = spec_of(x_aval, k_aval, b_aval, activation, with_aux, compute_type, d_dtype)
+    refusal = _fast_path_refusal(spec)
+    if refusal is not None:
+        _warn_once(refusal)
+        return _reference_lowering(ctx, x, kernel, *bias, **params)
+
+    def fused(x, kernel, *bias):
+        from . import _ffi
+
+        aux_shape = None
+        if with_aux:
+            aux_aval = ctx.avals_out[1]
+            aux_shape = (aux_aval.shape, aux_aval.dtype)
+        d, aux = _ffi.call(x, kernel, bias[0] if bias else None, spec, aux_shape)
+        outs = [d.astype(out_dtype)]  # a no-op unless the epilog ran in float32
+        return outs + [aux] if with_aux else outs
+
+    return mlir.lower_fun(fused, multiple_results=True)(ctx, x, kernel, *bias)
+
+
+mlir.register_lowering(fused_matmul_p, _cuda_lowering, platform="cuda")
+
+
+def _batch(args, dims, **params):
+    x, kernel, *bias = args
+    x_dim, k_dim, *b_dims = dims
+    not_mapped = None  # batching.not_mapped
+    if k_dim is not_mapped and all(d is not_mapped for d in b_dims):
+        # Shared weights: fold the batch into the GEMM's rows, one call.
+        x = jnp.moveaxis(x, x_dim, 0)
+        batch, m, k = x.shape
+        outs = fused_matmul_p.bind(x.reshape(batch * m, k), kernel, *bias, **params)
+        return [o.reshape(batch, m, *o.shape[1:]) for o in outs], [0] * len(outs)
+    # Batched weights (an ensemble): one fused call per member, in a loop.
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not not_mapped)
+    stacked = [
+        jnp.broadcast_to(a, (size, *a.shape)) if d is not_mapped else jnp.moveaxis(a, d, 0)
+        for a, d in zip(args, dims)
+    ]
+    outs = jax.lax.map(lambda ops: fused_matmul_p.bind(*ops, **params), stacked)
+    return list(outs), [0] * len(outs)
+
+
+batching.primitive_batchers[fused_matmul_p] = _batch

@@ -1,0 +1,41 @@
+import os
+import secrets
+import zlib
+
+import jax
+import numpy as np
+import pytest
+
+jax.config.update("jax_enable_x64", True)
+
+
+def _has_gpu() -> bool:
+    try:
+        return bool(jax.devices("gpu"))
+    except RuntimeError:
+        return False
+
+
+HAS_GPU = _has_gpu()
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_GPU:
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+SEED = int(os.environ.get("JAX_EPILOG_TEST_SEED", secrets.randbits(32)))
+
+
+def pytest_report_header(config):
+    return f"jax_epilog test seed: JAX_EPILOG_TEST_SEED={SEED} (set it to replay a run)"
+
+
+@pytest.fixture
+def rng(request):
+    """Fresh random data for each test and each run; the header prints the seed to replay."""
+    return np.random.default_rng([SEED, zlib.crc32(request.node.nodeid.encode())])

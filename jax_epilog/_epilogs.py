@@ -102,7 +102,7 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def aux_padded_width(activation: Activation, n: int) -> int:
+def aux_padded_width(activation: Activation | str, n: int) -> int:
     """Length of the aux's last axis for ``n`` output features.
 
     cuBLASLt writes D as an (N x M) column-major matrix, so each row of ``y`` is one
@@ -113,7 +113,7 @@ def aux_padded_width(activation: Activation, n: int) -> int:
       * GELU: the pre-activation ``z``, padded to a multiple of 8 elements.
     The padding's contents are unspecified.
     """
-    if activation is Activation.RELU:
+    if Activation(activation) is Activation.RELU:
         return _round_up(n, 128) // 8
     return _round_up(n, 8)
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import struct
 import threading
+import time
 from typing import Any
 
 import jax
@@ -26,7 +26,7 @@ import numpy as np
 
 from ._epilogs import EpilogSpec
 
-__all__ = ["TARGET_NAME", "call", "ensure_registered", "spec_key"]
+__all__ = ["TARGET_NAME", "call", "ensure_registered", "handler_stats", "spec_key"]
 
 TARGET_NAME = "jax_epilog_fused_matmul"
 
@@ -38,17 +38,27 @@ _ATTR_SCALAR, _ATTR_STRING = 3, 4
 _ERROR_INTERNAL = 13
 _DTYPE_NAMES = {6: "uint8", 10: "float16", 11: "float32", 16: "bfloat16"}
 
-# XLA_FFI_CallFrame up to and including attrs (168 bytes): struct_size, extension_start,
-# api, ctx, stage(+pad), then XLA_FFI_Args / XLA_FFI_Rets {size_, ext, size, types, ptrs}
-# and XLA_FFI_Attrs {size_, ext, size, types, names, attrs}.
-_FRAME = struct.Struct("<QQQQi4x QQqQQ QQqQQ QQqQQQ")
-_BUFFER_DTYPE, _BUFFER_DATA = 16, 24  # offsets in XLA_FFI_Buffer
-_API_ERROR_CREATE, _API_STREAM_GET = 48, 80  # offsets in XLA_FFI_Api
+# Word offsets (8 bytes each) in XLA_FFI_CallFrame: struct_size, extension_start, api,
+# ctx, stage(+pad), XLA_FFI_Args {struct_size, ext, size, types, args} at 5..9,
+# XLA_FFI_Rets likewise at 10..14, XLA_FFI_Attrs {.., size, types, names, attrs} at 15..20.
+_F_EXT, _F_API, _F_CTX, _F_STAGE = 1, 2, 3, 4
+_F_NARGS, _F_ARGS, _F_NRETS, _F_RETS = 7, 9, 12, 14
+_F_NATTRS, _F_ATTR_TYPES, _F_ATTR_NAMES, _F_ATTRS = 17, 18, 19, 20
+_B_DTYPE, _B_DATA = 2, 3  # word offsets in XLA_FFI_Buffer
+_API_ERROR_CREATE, _API_STREAM_GET = 6, 10  # word offsets in XLA_FFI_Api
 _KEY_ATTR = "_key"  # sorts before every lowercase name: XLA passes attributes sorted
 
+# Every field the handler reads is an aligned 8-byte word (a pointer, size or int64;
+# 4-byte enums are read as the low half of theirs), so memory is read as one huge array of
+# words: _WORDS[address // 8] costs one subscript instead of a ctypes object per field.
+_WORDS = (ctypes.c_uint64 * (1 << 59)).from_address(0)
+_LOW32 = 0xFFFFFFFF
+
 _u64 = ctypes.c_uint64
-_i64 = ctypes.c_int64
 _i32 = ctypes.c_int32
+# XLA_FFI_Stream_Get is trivial: call it without releasing the GIL (a release would make
+# this thread wait for the GIL again, behind whatever Python code is running).
+_STREAM_GET_FN = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)
 _API_FN = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)
 _HANDLER_FN = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)
 
@@ -91,26 +101,25 @@ def call(x: jax.Array, kernel: jax.Array, bias: jax.Array | None, spec: EpilogSp
 # ----------------------------------------------------------------------------- handler
 
 
-def _ptr(address: int) -> int:
-    return _u64.from_address(address).value
-
-
 def _span(address: int) -> bytes:
     """An XLA_FFI_ByteSpan {const char* ptr; size_t len} as bytes."""
-    return ctypes.string_at(_ptr(address), _ptr(address + 8))
+    return ctypes.string_at(_WORDS[address >> 3], _WORDS[(address >> 3) + 1])
 
 
 class _Api:
     """The XLA_FFI_Api functions this handler calls, bound once per API table."""
 
     def __init__(self, api: int):
-        self.error_create = _API_FN(_ptr(api + _API_ERROR_CREATE))
-        self.stream_get = _API_FN(_ptr(api + _API_STREAM_GET))
+        self.error_create = _API_FN(_WORDS[(api >> 3) + _API_ERROR_CREATE])
+        self.stream_get = _STREAM_GET_FN(_WORDS[(api >> 3) + _API_STREAM_GET])
+        self._args = threading.local()
 
     def stream(self, ctx: int) -> int:
-        args = (_u64 * 4)(32, 0, ctx, 0)  # XLA_FFI_Stream_Get_Args
-        err = self.stream_get(ctypes.addressof(args))
-        if err:
+        args = getattr(self._args, "buf", None)
+        if args is None:  # one XLA_FFI_Stream_Get_Args per thread, reused
+            args = self._args.buf = (_u64 * 4)(32, 0, 0, 0)
+        args[2] = ctx
+        if self.stream_get(ctypes.addressof(args)):
             raise RuntimeError("XLA_FFI_Stream_Get failed")
         return args[3]
 
@@ -127,40 +136,50 @@ class _Handler:
         self._key_index: int | None = None
         self._lock = threading.Lock()
         self._nvmath = None
+        self.calls = 0  # executions, and host time spent in them: see handler_stats()
+        self.busy_ns = 0
+        self.resolved = 0  # (problem, stream, alignment) triples looked up or planned
+        self._pinned = threading.local()
 
     def remember(self, key: int, spec: EpilogSpec) -> None:
         """Known at lowering: saves decoding the attributes at the first call."""
         self._specs.setdefault(key, spec)
 
     def __call__(self, frame: int) -> int | None:
+        start = time.perf_counter_ns()
         api = None
         try:
-            (_, ext, api_ptr, ctx, stage, _, _, nargs, _, args, _, _, nrets, _, rets,
-             _, _, nattrs, attr_types, attr_names, attrs) = _FRAME.unpack(
-                ctypes.string_at(frame, _FRAME.size))  # fmt: skip
+            mem = _WORDS
+            f = frame >> 3
+            ext = mem[f + _F_EXT]
             if ext:
                 return self._metadata(ext)
+            if not hasattr(self._pinned, "state"):
+                self._pin_thread_state()
+            api_ptr = mem[f + _F_API]
             api = self._apis.get(api_ptr) or self._bind_api(api_ptr)
-            if stage != _STAGE_EXECUTE:
+            if mem[f + _F_STAGE] & _LOW32 != _STAGE_EXECUTE:
                 return None
+            attrs = mem[f + _F_ATTRS]
             if self._key_index is None:
-                self._key_index = self._find_key(nattrs, attr_names)
-            scalar = _ptr(attrs + 8 * self._key_index)
-            key = _i64.from_address(_ptr(scalar + 8)).value
-            stream = api.stream(ctx)
-            bufs = struct.unpack_from(f"<{nargs}Q", ctypes.string_at(args, 8 * nargs))
-            outs = struct.unpack_from(f"<{nrets}Q", ctypes.string_at(rets, 8 * nrets))
-            x = _ptr(bufs[0] + _BUFFER_DATA)
-            w = _ptr(bufs[1] + _BUFFER_DATA)
-            bias = _ptr(bufs[2] + _BUFFER_DATA) if nargs > 2 else 0
-            d = _ptr(outs[0] + _BUFFER_DATA)
-            aux = _ptr(outs[1] + _BUFFER_DATA) if nrets > 1 else 0
+                self._key_index = self._find_key(mem[f + _F_NATTRS], mem[f + _F_ATTR_NAMES])
+            scalar = mem[(attrs >> 3) + self._key_index]  # XLA_FFI_Scalar {dtype, value*}
+            key = mem[mem[(scalar >> 3) + 1] >> 3]
+            stream = api.stream(mem[f + _F_CTX])
+            nargs, args = mem[f + _F_NARGS], mem[f + _F_ARGS] >> 3
+            nrets, rets = mem[f + _F_NRETS], mem[f + _F_RETS] >> 3
+            x = mem[(mem[args] >> 3) + _B_DATA]
+            w = mem[(mem[args + 1] >> 3) + _B_DATA]
+            bias = mem[(mem[args + 2] >> 3) + _B_DATA] if nargs > 2 else 0
+            d = mem[(mem[rets] >> 3) + _B_DATA]
+            aux = mem[(mem[rets + 1] >> 3) + _B_DATA] if nrets > 1 else 0
             alignment = self._nvmath.alignment_of(x, w, d, bias, aux)
             plan = self._plans.get((key, stream, alignment))
             if plan is None:
-                plan = self._make_plan(key, stream, alignment, d, frame, nattrs, attr_types,
-                                       attr_names, attrs, bufs, outs)  # fmt: skip
+                plan = self._make_plan(key, stream, alignment, d, frame)
             plan.run(stream, w, x, bias, d, aux)
+            self.calls += 1
+            self.busy_ns += time.perf_counter_ns() - start
             return None
         except BaseException as exc:  # noqa: BLE001 -- must never propagate into XLA
             message = f"jax_epilog: fused matmul failed: {type(exc).__name__}: {exc}"
@@ -168,6 +187,15 @@ class _Handler:
                 return (api or self._any_api()).error(message)
             except BaseException:  # noqa: BLE001
                 return None
+
+    def _pin_thread_state(self) -> None:
+        """Keep this XLA thread's Python thread state alive between calls.
+
+        ctypes enters a callback on a thread unknown to Python with PyGILState_Ensure and
+        leaves with PyGILState_Release, which creates and destroys a thread state on every
+        call. One extra Ensure, never released, keeps it: later calls only take the GIL.
+        """
+        self._pinned.state = ctypes.pythonapi.PyGILState_Ensure()
 
     def _any_api(self) -> _Api:
         return next(iter(self._apis.values()))
@@ -179,9 +207,9 @@ class _Handler:
     @staticmethod
     def _metadata(ext: int) -> None:
         """Answer XLA's metadata query: API version and the command-buffer trait."""
-        if _i32.from_address(ext + 8).value != _METADATA_EXTENSION:
+        if _WORDS[(ext >> 3) + 1] & _LOW32 != _METADATA_EXTENSION:
             return None
-        meta = _ptr(ext + 24)  # XLA_FFI_Metadata_Extension.metadata
+        meta = _WORDS[(ext >> 3) + 3]  # XLA_FFI_Metadata_Extension.metadata
         _u64.from_address(meta + 8).value = 24  # api_version.struct_size
         _i32.from_address(meta + 24).value = _FFI_API_VERSION[0]
         _i32.from_address(meta + 28).value = _FFI_API_VERSION[1]
@@ -191,36 +219,47 @@ class _Handler:
     @staticmethod
     def _find_key(nattrs: int, names: int) -> int:
         for i in range(nattrs):
-            if _span(_ptr(names + 8 * i)).decode() == _KEY_ATTR:
+            if _span(_WORDS[(names >> 3) + i]).decode() == _KEY_ATTR:
                 return i
         raise RuntimeError(f"custom call has no {_KEY_ATTR!r} attribute")
 
-    def _decode_attrs(self, nattrs, types, names, attrs) -> dict[str, Any]:
+    @staticmethod
+    def _decode_attrs(frame: int) -> dict[str, Any]:
+        """All attributes by name (slow path: once per problem, in a new process)."""
+        f = frame >> 3
+        names, attrs = _WORDS[f + _F_ATTR_NAMES] >> 3, _WORDS[f + _F_ATTRS] >> 3
+        types = _WORDS[f + _F_ATTR_TYPES]
         decoded = {}
-        for i in range(nattrs):
-            name = _span(_ptr(names + 8 * i)).decode()
+        for i in range(_WORDS[f + _F_NATTRS]):
+            name = _span(_WORDS[names + i]).decode()
             kind = _i32.from_address(types + 4 * i).value
-            value = _ptr(attrs + 8 * i)
+            value = _WORDS[attrs + i]
             if kind == _ATTR_STRING:
                 decoded[name] = _span(value).decode()
-            elif kind == _ATTR_SCALAR:
-                decoded[name] = _i64.from_address(_ptr(value + 8)).value
+            elif kind == _ATTR_SCALAR:  # every scalar attribute here is an int64
+                decoded[name] = _WORDS[_WORDS[(value >> 3) + 1] >> 3]
         return decoded
 
-    def _make_plan(self, key, stream, alignment, d, frame, nattrs, types, names, attrs, bufs, outs):
+    @staticmethod
+    def _buffer_dtypes(frame: int, count_word: int, ptrs_word: int) -> list[str]:
+        f = frame >> 3
+        ptrs = _WORDS[f + ptrs_word] >> 3
+        return [
+            _DTYPE_NAMES[_WORDS[(_WORDS[ptrs + i] >> 3) + _B_DTYPE] & _LOW32]
+            for i in range(_WORDS[f + count_word])
+        ]
+
+    def _make_plan(self, key, stream, alignment, d, frame):
         with self._lock:
             spec = self._specs.get(key)
             if spec is None:
-                a = self._decode_attrs(nattrs, types, names, attrs)
-
-                def dtype(buf):
-                    return _DTYPE_NAMES[_i32.from_address(buf + _BUFFER_DTYPE).value]
-
+                a = self._decode_attrs(frame)
+                ins = self._buffer_dtypes(frame, _F_NARGS, _F_ARGS)
+                outs = self._buffer_dtypes(frame, _F_NRETS, _F_RETS)
                 spec = EpilogSpec(
                     m=a["m"], n=a["n"], k=a["k"], epilog=a["epilog"],
-                    compute_type=a["compute_type"], ab_dtype=dtype(bufs[0]),
-                    bias_dtype=dtype(bufs[2]) if len(bufs) > 2 else None,
-                    d_dtype=dtype(outs[0]),
+                    compute_type=a["compute_type"], ab_dtype=ins[0],
+                    bias_dtype=ins[2] if len(ins) > 2 else None, d_dtype=outs[0],
                 )  # fmt: skip
                 if spec_key(spec) != key:
                     raise RuntimeError(f"decoded problem {spec} does not match its key")
@@ -229,10 +268,16 @@ class _Handler:
                 raise RuntimeError("operand addresses are not 16-byte aligned")
             plan = self._nvmath.get_plan(spec, self._nvmath.device_of(d), alignment)
             self._plans[(key, stream, alignment)] = plan
+            self.resolved += 1
             return plan
 
 
 _handler = _Handler()
+
+
+def handler_stats() -> tuple[int, int, int]:
+    """(executions so far, host nanoseconds spent in them, (problem, stream, alignment) resolved)."""
+    return _handler.calls, _handler.busy_ns, _handler.resolved
 _handler_fn = _HANDLER_FN(_handler)
 _registered = False
 _register_lock = threading.Lock()

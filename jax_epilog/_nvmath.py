@@ -15,6 +15,7 @@ that renames them fails loudly, at planning, with a message that says so.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import threading
 from typing import Any
 
@@ -53,6 +54,46 @@ _NP_DTYPES = {
     "bfloat16": np.dtype(ml_dtypes.bfloat16),
     "float32": np.dtype(np.float32),
 }
+
+
+def _gil_holding_entry_points():
+    """cublasLtMatmul and cublasLtMatmulDescSetAttribute of the library nvmath loaded,
+    bound to be called *with the GIL held*, or None if nvmath does not expose them.
+
+    nvmath's bindings release the GIL around each call. Inside the FFI handler each release
+    means queueing for the GIL again behind the thread that is dispatching JAX calls, which
+    cost more than the calls themselves (measured: see benchmarks/README.md).
+    """
+    try:
+        from nvmath.bindings._internal import cublasLt as loader
+    except ImportError:
+        return None
+
+    def address(name: str) -> int | None:
+        for candidate in (f"__{name}", name):
+            try:
+                ptr = loader._inspect_function_pointer(candidate)
+            except Exception:  # noqa: BLE001 -- an unknown name is a miss, not an error
+                continue
+            if ptr:
+                return ptr
+        return None
+
+    cublasLt.get_version()  # makes nvmath load the library and resolve its symbols
+    matmul, set_attribute = address("cublasLtMatmul"), address("cublasLtMatmulDescSetAttribute")
+    if not (matmul and set_attribute):
+        return None
+    vp, size = ctypes.c_void_p, ctypes.c_size_t
+    return (
+        # (handle, desc, alpha, A, Adesc, B, Bdesc, beta, C, Cdesc, D, Ddesc, algo,
+        #  workspace, workspace size, stream)
+        ctypes.PYFUNCTYPE(ctypes.c_int, *[vp] * 14, size, vp)(matmul),
+        # (desc, attribute, buffer, buffer size)
+        ctypes.PYFUNCTYPE(ctypes.c_int, vp, ctypes.c_int, vp, size)(set_attribute),
+    )
+
+
+_GIL_HOLDING = _gil_holding_entry_points()
 
 
 class PlanningError(RuntimeError):
@@ -172,19 +213,26 @@ class Plan:
         self._layouts = (mm.a_layout_ptr, mm.b_layout_ptr, mm.c_layout_ptr, mm.d_layout_ptr)
         self._alpha = mm.alpha.ctypes.data
         self._beta = mm.beta.ctypes.data
-        self._heuristic = self._choose_algorithm()
-        self._algo = self._heuristic[0]["algo"].ctypes.data
-        ws_size = int(self._heuristic[0]["workspace_size"])
+        heuristic = self._choose_algorithm()
+        self._algo_struct = heuristic[0]["algo"]  # keeps the algorithm's bytes alive
+        self._algo = self._algo_struct.ctypes.data
+        ws_size = int(np.max(heuristic["workspace_size"]))
+        if ws_size and spec.epilog != "DEFAULT":
+            ws_size += 16  # as nvmath does: cuBLASLt epilogs may write past the stated size
         with cp.cuda.Device(device_id):
             self._workspace = cp.cuda.alloc(ws_size) if ws_size else None
         self._ws_ptr = self._workspace.ptr if ws_size else 0
         self._ws_size = ws_size
         # Host buffers holding the pointer values given to cublasLtMatmulDescSetAttribute.
         self._ptr_buf = np.zeros(2, dtype=np.uint64)
-        self._bias_attr = cublasLt.MatmulDescAttribute.BIAS_POINTER
-        self._aux_attr = cublasLt.MatmulDescAttribute.EPILOGUE_AUX_POINTER
+        self._bias_buf = self._ptr_buf.ctypes.data
+        self._aux_buf = self._bias_buf + 8
+        self._bias_attr = int(cublasLt.MatmulDescAttribute.BIAS_POINTER)
+        self._aux_attr = int(cublasLt.MatmulDescAttribute.EPILOGUE_AUX_POINTER)
         self._last = [None, None]
         self._lock = threading.Lock()
+        if _GIL_HOLDING is not None:
+            self.run = self._run_holding_gil
 
     def _choose_algorithm(self):
         """The best heuristic algorithm for operands aligned to ``self.alignment`` bytes.
@@ -220,13 +268,13 @@ class Plan:
             if bias and bias != self._last[0]:
                 self._ptr_buf[0] = bias
                 cublasLt.matmul_desc_set_attribute(
-                    self._desc, self._bias_attr, self._ptr_buf.ctypes.data, 8
+                    self._desc, self._bias_attr, self._bias_buf, 8
                 )
                 self._last[0] = bias
             if aux and aux != self._last[1]:
                 self._ptr_buf[1] = aux
                 cublasLt.matmul_desc_set_attribute(
-                    self._desc, self._aux_attr, self._ptr_buf.ctypes.data + 8, 8
+                    self._desc, self._aux_attr, self._aux_buf, 8
                 )
                 self._last[1] = aux
             cublasLt.matmul(
@@ -234,6 +282,31 @@ class Plan:
                 self._beta, d, c_layout, d, d_layout, self._algo,
                 self._ws_ptr, self._ws_size, stream,
             )  # fmt: skip
+
+
+    def _run_holding_gil(self, stream: int, a: int, b: int, bias: int, d: int, aux: int) -> None:
+        """``run`` through the GIL-holding entry points (the same calls, same arguments)."""
+        matmul, set_attribute = _GIL_HOLDING
+        a_layout, b_layout, c_layout, d_layout = self._layouts
+        with self._lock:
+            if bias and bias != self._last[0]:
+                self._ptr_buf[0] = bias
+                _check_status(set_attribute(self._desc, self._bias_attr, self._bias_buf, 8))
+                self._last[0] = bias
+            if aux and aux != self._last[1]:
+                self._ptr_buf[1] = aux
+                _check_status(set_attribute(self._desc, self._aux_attr, self._aux_buf, 8))
+                self._last[1] = aux
+            _check_status(matmul(
+                self._handle, self._desc, self._alpha, a, a_layout, b, b_layout,
+                self._beta, d, c_layout, d, d_layout, self._algo,
+                self._ws_ptr, self._ws_size, stream,
+            ))  # fmt: skip
+
+
+def _check_status(status: int) -> None:
+    if status:
+        raise RuntimeError(f"cuBLASLt returned {cublasLt.cuBLASLtError(status)}")
 
 
 _plans: dict[tuple[EpilogSpec, int, int], Plan] = {}

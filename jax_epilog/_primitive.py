@@ -66,8 +66,14 @@ def _reference_impl(x, kernel, *bias, activation, with_aux, compute_type, d_dtyp
     return outs + [aux] if with_aux else outs
 
 
+@functools.cache
+def _jitted(params: tuple) -> callable:
+    return jax.jit(functools.partial(fused_matmul_p.bind, **dict(params)))
+
+
 def _impl(*args, **params):
-    return jax.jit(functools.partial(fused_matmul_p.bind, **params))(*args)
+    """Eager calls run the primitive jitted, compiled once per parameter set."""
+    return _jitted(tuple(sorted(params.items())))(*args)
 
 
 fused_matmul_p.def_impl(_impl)

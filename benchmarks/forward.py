@@ -1,0 +1,204 @@
+"""Forward benchmark: fused_dense vs XLA's jit of the same expression vs nvmath direct.
+
+Run on a GPU (scripts/gpu_check.sh runs it twice, with XLA command buffers on and off):
+
+    python -m benchmarks.forward --out DIR [--part single|chain|all] [--label NAME]
+
+Method: every contender runs in this one process on the same inputs. JAX rows are
+jitted calls dispatched back to back (so small shapes include JAX's dispatch cost, as a
+user sees it), timed with the wall clock after block_until_ready: median over 7 repeats of
+30 calls. nvmath rows time ``Matmul.execute()`` with CUDA events (median of 7 x 30), with
+the host µs per execute() call beside them. Host cost of our FFI handler is measured
+inside the handler (jax_epilog._ffi.handler_stats) and by the 16-layer chain comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_epilog import _ffi, fused_dense
+
+REPEATS, ITERS = 7, 30
+
+
+def _act(name):
+    return jax.nn.relu if name == "relu" else partial(jax.nn.gelu, approximate=True)
+
+
+def time_jax(f, *args) -> float:
+    """Median µs per call of a jitted function called back to back."""
+    jax.block_until_ready(f(*args))
+    jax.block_until_ready(f(*args))
+    samples = []
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        for _ in range(ITERS):
+            out = f(*args)
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - start) / ITERS * 1e6)
+    return statistics.median(samples)
+
+
+def time_nvmath(m, k, n, dtype, bias_dtype, activation) -> tuple[float, float] | None:
+    """(GPU µs, host µs) per nvmath Matmul.execute() of the same column-major problem."""
+    import cupy as cp
+    import ml_dtypes
+    from nvmath.linalg.advanced import Matmul, MatmulEpilog
+
+    np_dt = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}[dtype]
+    rng = np.random.default_rng(0)
+
+    def dev(shape, strides, dt):
+        host = rng.standard_normal(int(np.prod(shape))).astype(np.float32) * 0.05
+        raw = cp.asarray(host.astype(dt).view(np.uint8))
+        item = np.dtype(dt).itemsize
+        return cp.ndarray(shape, dt, raw.data, tuple(s * item for s in strides))
+
+    a = dev((n, k), (1, n), np_dt)
+    b = dev((k, m), (1, k), np_dt)
+    bias = dev((n,), (1,), np.float32 if bias_dtype == "float32" else np_dt)
+    epilog = MatmulEpilog.RELU_BIAS if activation == "relu" else MatmulEpilog.GELU_BIAS
+    try:
+        mm = Matmul(a, b)
+        mm.plan(epilog=epilog, epilog_inputs={"bias": bias})
+        mm.execute()
+    except Exception as exc:  # e.g. fp16 operands with an fp32 bias
+        print(f"  nvmath direct refused {m}x{k}->{n} {dtype}/{bias_dtype}: {type(exc).__name__}", file=sys.stderr)
+        return None
+    stream = cp.cuda.get_current_stream()
+    gpu, host = [], []
+    for _ in range(REPEATS):
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record(stream)
+        t0 = time.perf_counter()
+        for _ in range(ITERS):
+            mm.execute()
+        host.append((time.perf_counter() - t0) / ITERS * 1e6)
+        end.record(stream)
+        end.synchronize()
+        gpu.append(cp.cuda.get_elapsed_time(start, end) * 1e3 / ITERS)
+    mm.free()
+    return statistics.median(gpu), statistics.median(host)
+
+
+SINGLE = [  # (m, k, n, dtype, bias dtype)
+    (256, 784, 100, "float16", "float32"),  # the seed layer
+    (8192, 1024, 4096, "bfloat16", "bfloat16"),
+    (8192, 4096, 16384, "bfloat16", "bfloat16"),
+]
+
+
+def bench_single(rows):
+    for m, k, n, dtype, bias_dtype in SINGLE:
+        rng = np.random.default_rng(1)
+        x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+        w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), dtype)
+        b = jnp.asarray(rng.standard_normal(n), bias_dtype)
+        for activation in ("relu", "gelu"):
+            act = _act(activation)
+            fused = jax.jit(partial(fused_dense, activation=activation))
+            xla = jax.jit(lambda x, w, b, act=act: act(x @ w + b).astype(x.dtype))
+            calls0, ns0, res0 = _ffi.handler_stats()
+            t_fused = time_jax(fused, x, w, b)
+            calls1, ns1, res1 = _ffi.handler_stats()
+            t_xla = time_jax(xla, x, w, b)
+            nv = time_nvmath(m, k, n, dtype, bias_dtype, activation)
+            handler_us = (ns1 - ns0) / max(1, calls1 - calls0) / 1e3
+            row = dict(
+                shape=f"{m}x{k}->{n}", dtype=f"{dtype}/{bias_dtype} bias", activation=activation,
+                fused_us=t_fused, xla_us=t_xla, nvmath_us=nv[0] if nv else None,
+                nvmath_host_us=nv[1] if nv else None, handler_host_us=handler_us,
+                handler_calls=calls1 - calls0, handler_resolved=res1 - res0,
+            )  # fmt: skip
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+
+
+def _chain(layer, depth=16):
+    def f(x, ws, bs):
+        for i in range(depth):
+            x = layer(x, ws[i], bs[i])
+        return x
+
+    return jax.jit(f)
+
+
+def bench_chain(rows, depth=16):
+    for m, k in ((256, 1024), (2048, 1024)):
+        rng = np.random.default_rng(2)
+        x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+        ws = jnp.asarray(rng.standard_normal((depth, k, k)) / np.sqrt(k), jnp.bfloat16)
+        bs = jnp.asarray(rng.standard_normal((depth, k)) * 0.1, jnp.bfloat16)
+        for activation in ("relu", "gelu"):
+            act = _act(activation)
+            fused = _chain(partial(fused_dense, activation=activation), depth)
+            xla = _chain(lambda x, w, b, act=act: act(x @ w + b), depth)
+            calls0, ns0, res0 = _ffi.handler_stats()
+            t_fused = time_jax(fused, x, ws, bs)
+            calls1, ns1, res1 = _ffi.handler_stats()
+            t_xla = time_jax(xla, x, ws, bs)
+            launched = (2 + REPEATS * ITERS) * depth  # layer executions in time_jax
+            row = dict(
+                chain=f"{depth}x {m}x{k}->{k}", activation=activation, fused_us=t_fused,
+                xla_us=t_xla, handler_calls=calls1 - calls0, layer_runs=launched,
+                handler_host_us=(ns1 - ns0) / max(1, calls1 - calls0) / 1e3,
+                handler_resolved=res1 - res0,
+            )  # fmt: skip
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+
+
+def versions() -> dict:
+    info = dict(jax=jax.__version__, python=platform.python_version(), gpu=str(jax.devices()[0].device_kind))
+    for name in ("nvmath", "cupy"):
+        try:
+            info[name] = __import__(name).__version__
+        except ImportError:
+            info[name] = None
+    try:
+        from nvmath.bindings import cublasLt
+
+        info["cublasLt"] = cublasLt.get_version()
+    except ImportError:
+        pass
+    info["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "")
+    return info
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="folder for the JSON results")
+    parser.add_argument("--part", choices=("single", "chain", "all"), default="all")
+    parser.add_argument("--label", default="default", help="a name for this run's settings")
+    args = parser.parse_args(argv)
+    rows: list[dict] = []
+    if args.part in ("single", "all"):
+        bench_single(rows)
+    if args.part in ("chain", "all"):
+        bench_chain(rows)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"forward-{args.label}.json")
+    with open(path, "w") as fh:
+        from collections import Counter
+
+        from jax_epilog import _nvmath
+
+        plans = Counter(f"alignment {key[2]}" for key in _nvmath._plans)
+        json.dump(dict(label=args.label, versions=versions(), rows=rows, plans=plans), fh, indent=1)
+    print(f"plans made: {dict(plans)}")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

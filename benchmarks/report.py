@@ -1,0 +1,48 @@
+"""Render benchmark JSON files (from benchmarks.forward) as Markdown tables.
+
+    python -m benchmarks.report RESULTS.json [...]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def _f(value, digits=1):
+    return "—" if value is None else f"{value:.{digits}f}"
+
+
+def render(paths: list[str]) -> str:
+    lines = []
+    for path in paths:
+        with open(path) as fh:
+            data = json.load(fh)
+        v = data["versions"]
+        lines.append(f"### {data['label']}: {v['gpu']}, jax {v['jax']}, nvmath {v.get('nvmath')}, "
+                     f"cuBLASLt {v.get('cublasLt')}, cupy {v.get('cupy')}, XLA_FLAGS='{v['XLA_FLAGS']}'")
+        single = [r for r in data["rows"] if "shape" in r]
+        if single:
+            lines += ["", "| M×K→N | dtype | act | fused_dense µs | XLA jit µs | XLA/fused | nvmath direct µs (host) "
+                      "| nvmath/fused | handler host µs |", "|---|---|---|---|---|---|---|---|---|"]
+            for r in single:
+                nv_ratio = r["nvmath_us"] / r["fused_us"] if r["nvmath_us"] else None
+                lines.append(
+                    f"| {r['shape']} | {r['dtype']} | {r['activation']} | {_f(r['fused_us'])} | {_f(r['xla_us'])} "
+                    f"| {_f(r['xla_us'] / r['fused_us'], 2)}× | {_f(r['nvmath_us'])} ({_f(r['nvmath_host_us'])}) "
+                    f"| {_f(nv_ratio, 2)}{'×' if nv_ratio else ''} | {_f(r['handler_host_us'])} |")
+        chain = [r for r in data["rows"] if "chain" in r]
+        if chain:
+            lines += ["", "| chain | act | fused_dense µs/step | XLA µs/step | XLA/fused | handler runs / layer runs "
+                      "| handler host µs/run |", "|---|---|---|---|---|---|---|"]
+            for r in chain:
+                lines.append(
+                    f"| {r['chain']} | {r['activation']} | {_f(r['fused_us'])} | {_f(r['xla_us'])} "
+                    f"| {_f(r['xla_us'] / r['fused_us'], 2)}× | {r['handler_calls']} / {r['layer_runs']} "
+                    f"| {_f(r['handler_host_us'])} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(render(sys.argv[1:]))

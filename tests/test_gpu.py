@@ -1,0 +1,227 @@
+"""GPU-only tests of the cuBLASLt fast path (skipped without a GPU; see conftest.py)."""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_epilog import FastPathWarning, aux_padded_width, fused_dense, unpack_relu_mask
+
+pytestmark = pytest.mark.gpu
+
+jit_dense = jax.jit(fused_dense, static_argnames=("activation", "compute_type", "return_aux"))
+DTYPES = ("float16", "bfloat16", "float32")
+# Per-dtype tolerance, relative to the output's scale (inputs are O(1) after 1/sqrt(K)).
+TOL = {"float16": 4e-3, "bfloat16": 3e-2, "float32": 2e-5, "tf32": 4e-3}
+SHAPES = [(256, 784, 100), (1, 1, 1), (3, 5, 7), (33, 129, 65), (8192 // 8, 1024, 4096 // 8 + 3)]
+
+
+def _inputs(rng, m, k, n, dtype, bias_dtype=None):
+    x = rng.standard_normal((m, k))
+    w = rng.standard_normal((k, n)) / np.sqrt(k)
+    b = rng.standard_normal(n)
+    return (
+        jnp.asarray(x, dtype),
+        jnp.asarray(w, dtype),
+        jnp.asarray(b, bias_dtype or dtype),
+    )
+
+
+def _oracle(x, w, b, activation):
+    z = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    if b is not None:
+        z = z + np.asarray(b, np.float64)
+    if activation == "relu":
+        return np.maximum(z, 0), z
+    if activation == "gelu":
+        return 0.5 * z * (1 + np.tanh(np.sqrt(2 / np.pi) * (z + 0.044715 * z**3))), z
+    return z, z
+
+
+def _assert_close(y, expected, tol):
+    y = np.asarray(y, np.float64)
+    scale = max(1.0, float(np.abs(expected).max()))
+    np.testing.assert_allclose(y, expected, rtol=tol, atol=tol * scale)
+
+
+@pytest.mark.parametrize("activation", [None, "relu", "gelu"])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_lowers_to_our_custom_call(rng, activation, with_bias):
+    from jax_epilog._ffi import TARGET_NAME
+
+    x, w, b = _inputs(rng, 33, 129, 65, "bfloat16")
+    text = jit_dense.lower(x, w, b if with_bias else None, activation=activation).as_text()
+    assert TARGET_NAME in text
+    assert "stablehlo.dot" not in text and "dot_general" not in text
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", [None, "relu", "gelu"])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_forward_matches_float64_oracle(rng, shape, dtype, activation, with_bias):
+    m, k, n = shape
+    x, w, b = _inputs(rng, m, k, n, dtype)
+    b = b if with_bias else None
+    y, aux = jit_dense(x, w, b, activation=activation, return_aux=True)
+    expected, z = _oracle(x, w, b, activation)
+    assert y.dtype == x.dtype and y.shape == (m, n)
+    _assert_close(y, expected, TOL[dtype])
+    if activation == "relu":
+        assert aux.shape == (m, aux_padded_width("relu", n)) and aux.dtype == np.uint8
+        bits = np.asarray(unpack_relu_mask(aux, n))
+        clear = np.abs(z) > 20 * TOL[dtype]  # signs that rounding cannot flip
+        np.testing.assert_array_equal(bits[clear], (z > 0)[clear])
+    elif activation == "gelu":
+        assert aux.shape == (m, aux_padded_width("gelu", n)) and aux.dtype == x.dtype
+        _assert_close(aux[:, :n], z, TOL[dtype])
+    else:
+        assert aux is None
+
+
+def test_tf32_compute_type(rng):
+    x, w, b = _inputs(rng, 129, 257, 65, "float32")
+    y = jit_dense(x, w, b, activation="gelu", compute_type="COMPUTE_32F_FAST_TF32")
+    _assert_close(y, _oracle(x, w, b, "gelu")[0], TOL["tf32"])
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_seed_case_fp16_with_fp32_bias_is_fused_and_exact(rng, activation):
+    from jax_epilog._ffi import TARGET_NAME
+
+    x, w, b = _inputs(rng, 256, 784, 100, "float16", bias_dtype="float32")
+    f = functools.partial(jit_dense, activation=activation, compute_type="COMPUTE_32F")
+    assert TARGET_NAME in jit_dense.lower(x, w, b, activation=activation).as_text()
+    y = f(x, w, b)
+    assert y.dtype == jnp.float16
+    # float32 bias semantics: one rounding of act(x @ w + b) computed in float32.
+    ref = jax.nn.relu if activation == "relu" else functools.partial(jax.nn.gelu, approximate=True)
+    exact = ref(jnp.dot(x, w, preferred_element_type=jnp.float32) + b).astype(jnp.float16)
+    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(exact, np.float32), rtol=2e-3, atol=2e-3)
+    _, aux = f(x, w, b, return_aux=True)
+    if activation == "gelu":
+        assert aux.dtype == jnp.float32
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_matches_nvmath_matmul_directly(rng, activation, dtype):
+    import cupy as cp
+    import ml_dtypes
+    from nvmath.linalg.advanced import Matmul, MatmulEpilog
+
+    m, k, n = 200, 333, 96 + 5
+    x, w, b = _inputs(rng, m, k, n, dtype)
+    y, aux = jit_dense(x, w, b, activation=activation, return_aux=True)
+
+    np_dtype = np.float16 if dtype == "float16" else ml_dtypes.bfloat16
+
+    def device(a, shape, strides):  # cupy view with an explicit dtype (cupy has no bf16 typestr)
+        raw = cp.asarray(np.ascontiguousarray(np.asarray(a, np_dtype)).view(np.uint16))
+        itemsize = 2
+        return cp.ndarray(shape, np_dtype, raw.data, tuple(s * itemsize for s in strides))
+
+    # The same column-major problem as the fast path: D[n, m] = W^T[n, k] @ X^T[k, m].
+    a = device(w, (n, k), (1, n))
+    bm = device(x, (k, m), (1, k))
+    bias = device(b, (n,), (1,))
+    epilog = MatmulEpilog.RELU_AUX_BIAS if activation == "relu" else MatmulEpilog.GELU_AUX_BIAS
+    with Matmul(a, bm) as mm:
+        mm.plan(epilog=epilog, epilog_inputs={"bias": bias})
+        d, aux_nv = mm.execute()
+    d = cp.asnumpy(d.view(np.uint16)).view(np_dtype).astype(np.float32).T
+    np.testing.assert_allclose(np.asarray(y, np.float32), d, rtol=TOL[dtype], atol=TOL[dtype])
+    aux_nv = cp.asnumpy(next(iter(aux_nv.values())).view(np.uint8 if activation == "relu" else np.uint16))
+    if activation == "relu":
+        np.testing.assert_array_equal(
+            np.asarray(unpack_relu_mask(aux, n)), np.asarray(unpack_relu_mask(aux_nv.T, n))
+        )
+    else:
+        got = np.asarray(aux[:, :n], np.float32)
+        np.testing.assert_allclose(got, aux_nv.view(np_dtype).astype(np.float32).T[:, :n], rtol=TOL[dtype], atol=TOL[dtype])
+
+
+def test_leading_dims_fold_into_m(rng):
+    x = jnp.asarray(rng.standard_normal((2, 3, 40, 24)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((24, 40)) / 5, jnp.bfloat16)
+    b = jnp.asarray(rng.standard_normal(40), jnp.bfloat16)
+    y, aux = jit_dense(x, w, b, activation="relu", return_aux=True)
+    assert y.shape == (2, 3, 40, 40) and aux.shape == (2, 3, 40, 16)
+    _assert_close(y, _oracle(x, w, b, "relu")[0], TOL["bfloat16"])
+
+
+def test_vmap_shared_weights_is_one_custom_call(rng):
+    from jax_epilog._ffi import TARGET_NAME
+
+    x, w, b = _inputs(rng, 6 * 17, 48, 33, "bfloat16")
+    xs = x.reshape(6, 17, 48)
+    f = jax.jit(jax.vmap(lambda x: fused_dense(x, w, b, activation="gelu")))
+    assert f.lower(xs).as_text().count(TARGET_NAME) == 1
+    _assert_close(f(xs).reshape(-1, 33), _oracle(x, w, b, "gelu")[0], TOL["bfloat16"])
+
+
+def test_refused_problem_falls_back_with_one_warning(rng, monkeypatch):
+    from jax_epilog import _nvmath, _primitive
+
+    def refuse(spec, device_id, alignment=256):
+        raise _nvmath.PlanningError(f"test refusal of {spec}")
+
+    monkeypatch.setattr(_nvmath, "get_plan", refuse)
+    _primitive._warn_once.cache_clear()
+    x, w, b = _inputs(rng, 37, 61, 19, "bfloat16")
+    with pytest.warns(FastPathWarning, match="test refusal"):
+        y = jax.jit(lambda x, w, b: fused_dense(x, w, b, activation="relu"))(x, w, b)
+    _assert_close(y, _oracle(x, w, b, "relu")[0], TOL["bfloat16"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same reason is not repeated
+        jax.jit(lambda x, w, b: fused_dense(x, w, b, activation="relu") * 2)(x, w, b)
+
+
+def test_runtime_failure_becomes_a_python_error_not_a_crash(rng, monkeypatch):
+    from jax_epilog import _nvmath
+
+    def broken_run(self, *args):
+        raise RuntimeError("injected failure")
+
+    x, w, b = _inputs(rng, 41, 67, 23, "float16")
+    f = jax.jit(lambda x, w, b: fused_dense(x, w, b, activation="gelu"))
+    f(x, w, b).block_until_ready()  # plans it
+    monkeypatch.setattr(_nvmath.Plan, "run", broken_run)
+    with pytest.raises(Exception, match="injected failure"):
+        jax.jit(lambda x, w, b: fused_dense(x, w, b, activation="gelu") + 1)(x, w, b).block_until_ready()
+
+
+def test_nvmath_internals_are_where_the_fast_path_expects(rng):
+    from jax_epilog import _nvmath
+    from jax_epilog._epilogs import EpilogSpec
+
+    spec = EpilogSpec(64, 40, 24, "RELU_AUX_BIAS", "COMPUTE_32F", "bfloat16", "bfloat16", "bfloat16")
+    plan = _nvmath.Plan(spec, _nvmath.current_device(), 256)  # raises if nvmath moved them
+    assert all(hasattr(plan._mm, name) for name in _nvmath._MATMUL_INTERNALS)
+    # The handler calls cuBLASLt through nvmath's resolved symbols, holding the GIL.
+    assert _nvmath._GIL_HOLDING is not None
+    assert plan.run == plan._run_holding_gil
+
+
+def test_no_device_memory_leak_over_1000_jitted_calls(rng):
+    import cupy as cp
+
+    x, w, b = _inputs(rng, 512, 256, 384, "bfloat16")
+    f = jax.jit(lambda x, w, b: fused_dense(x, w, b, activation="relu", return_aux=True))
+    jax.block_until_ready(f(x, w, b))
+    device = jax.devices("gpu")[0]
+    before_jax = device.memory_stats()["bytes_in_use"]
+    before_free = cp.cuda.runtime.memGetInfo()[0]
+    for _ in range(1000):
+        out = f(x, w, b)
+    jax.block_until_ready(out)
+    del out
+    after_jax = device.memory_stats()["bytes_in_use"]
+    after_free = cp.cuda.runtime.memGetInfo()[0]
+    assert after_jax <= before_jax
+    assert before_free - after_free < 4 << 20  # no per-call allocations outside XLA either

@@ -7,7 +7,8 @@ Run on a GPU (scripts/gpu_check.sh runs it twice, with XLA command buffers on an
 Method: every contender runs in this one process on the same inputs. JAX rows are
 jitted calls dispatched back to back (so small shapes include JAX's dispatch cost, as a
 user sees it), timed with the wall clock after block_until_ready: median over 7 repeats of
-30 calls. nvmath rows time ``Matmul.execute()`` with CUDA events (median of 7 x 30), with
+30 calls. The "in 4" rows jit four independent layers into one call and divide by four,
+which amortises dispatch and shows the time each layer takes on the GPU. nvmath rows time ``Matmul.execute()`` with CUDA events (median of 7 x 30), with
 the host µs per execute() call beside them. Host cost of our FFI handler is measured
 inside the handler (jax_epilog._ffi.handler_stats) and by the 16-layer chain comparison.
 """
@@ -115,9 +116,15 @@ def bench_single(rows):
             t_xla = time_jax(xla, x, w, b)
             nv = time_nvmath(m, k, n, dtype, bias_dtype, activation)
             handler_us = (ns1 - ns0) / max(1, calls1 - calls0) / 1e3
+            # Four independent layers per jitted call: dispatch is amortised, so these
+            # rows show the GPU's time per layer rather than the host's per call.
+            xs = jnp.stack([x * (1 + i / 8) for i in range(4)])
+            four = [jax.jit(lambda xs, w, b, g=g: [g(xs[i], w, b) for i in range(4)]) for g in (fused, xla)]
+            t_fused4, t_xla4 = (time_jax(g, xs, w, b) / 4 for g in four)
             row = dict(
                 shape=f"{m}x{k}->{n}", dtype=f"{dtype}/{bias_dtype} bias", activation=activation,
-                fused_us=t_fused, xla_us=t_xla, nvmath_us=nv[0] if nv else None,
+                fused_us=t_fused, xla_us=t_xla, fused_in4_us=t_fused4, xla_in4_us=t_xla4,
+                nvmath_us=nv[0] if nv else None,
                 nvmath_host_us=nv[1] if nv else None, handler_host_us=handler_us,
                 handler_calls=calls1 - calls0, handler_resolved=res1 - res0,
             )  # fmt: skip

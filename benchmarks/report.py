@@ -23,13 +23,15 @@ def render(paths: list[str]) -> str:
                      f"cuBLASLt {v.get('cublasLt')}, cupy {v.get('cupy')}, XLA_FLAGS='{v['XLA_FLAGS']}'")
         single = [r for r in data["rows"] if "shape" in r]
         if single:
-            lines += ["", "| M×K→N | dtype | act | fused_dense µs | XLA jit µs | XLA/fused | nvmath direct µs (host) "
-                      "| nvmath/fused | handler host µs |", "|---|---|---|---|---|---|---|---|---|"]
+            lines += ["", "| M×K→N | dtype | act | fused_dense µs | XLA jit µs | XLA/fused | in 4: fused / XLA µs "
+                      "| in 4: XLA/fused | nvmath direct µs (host) | nvmath/fused (in 4) | handler host µs |",
+                      "|---|---|---|---|---|---|---|---|---|---|---|"]
             for r in single:
-                nv_ratio = r["nvmath_us"] / r["fused_us"] if r["nvmath_us"] else None
+                nv_ratio = r["nvmath_us"] / r["fused_in4_us"] if r["nvmath_us"] else None
                 lines.append(
                     f"| {r['shape']} | {r['dtype']} | {r['activation']} | {_f(r['fused_us'])} | {_f(r['xla_us'])} "
-                    f"| {_f(r['xla_us'] / r['fused_us'], 2)}× | {_f(r['nvmath_us'])} ({_f(r['nvmath_host_us'])}) "
+                    f"| {_f(r['xla_us'] / r['fused_us'], 2)}× | {_f(r['fused_in4_us'])} / {_f(r['xla_in4_us'])} "
+                    f"| {_f(r['xla_in4_us'] / r['fused_in4_us'], 2)}× | {_f(r['nvmath_us'])} ({_f(r['nvmath_host_us'])}) "
                     f"| {_f(nv_ratio, 2)}{'×' if nv_ratio else ''} | {_f(r['handler_host_us'])} |")
         chain = [r for r in data["rows"] if "chain" in r]
         if chain:

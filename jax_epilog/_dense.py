@@ -29,7 +29,8 @@ def _check_array(value, name: str) -> None:
 
 
 def _dtype_name(value) -> str:
-    return np.dtype(value.dtype).name
+    """The dtype JAX will compute in (NumPy float64 is float32 unless x64 is enabled)."""
+    return np.dtype(jax.dtypes.canonicalize_dtype(value.dtype)).name
 
 
 def _activation(value) -> Activation | None:

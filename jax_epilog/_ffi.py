@@ -26,7 +26,7 @@ import numpy as np
 
 from ._epilogs import EpilogSpec
 
-__all__ = ["TARGET_NAME", "call", "ensure_registered", "handler_stats", "spec_key"]
+__all__ = ["TARGET_NAME", "call", "ensure_registered", "handler_stats", "spec_key", "trace_handler"]
 
 TARGET_NAME = "jax_epilog_fused_matmul"
 
@@ -139,6 +139,7 @@ class _Handler:
         self.calls = 0  # executions, and host time spent in them: see handler_stats()
         self.busy_ns = 0
         self.resolved = 0  # (problem, stream, alignment) triples looked up or planned
+        self.trace: list[tuple[int, ...]] | None = None  # per-call timestamps, when profiling
         self._pinned = threading.local()
 
     def remember(self, key: int, spec: EpilogSpec) -> None:
@@ -165,7 +166,9 @@ class _Handler:
                 self._key_index = self._find_key(mem[f + _F_NATTRS], mem[f + _F_ATTR_NAMES])
             scalar = mem[(attrs >> 3) + self._key_index]  # XLA_FFI_Scalar {dtype, value*}
             key = mem[mem[(scalar >> 3) + 1] >> 3]
+            decoded = time.perf_counter_ns()
             stream = api.stream(mem[f + _F_CTX])
+            streamed = time.perf_counter_ns()
             nargs, args = mem[f + _F_NARGS], mem[f + _F_ARGS] >> 3
             nrets, rets = mem[f + _F_NRETS], mem[f + _F_RETS] >> 3
             x = mem[(mem[args] >> 3) + _B_DATA]
@@ -177,9 +180,13 @@ class _Handler:
             plan = self._plans.get((key, stream, alignment))
             if plan is None:
                 plan = self._make_plan(key, stream, alignment, d, frame)
+            looked_up = time.perf_counter_ns()
             plan.run(stream, w, x, bias, d, aux)
+            end = time.perf_counter_ns()
             self.calls += 1
-            self.busy_ns += time.perf_counter_ns() - start
+            self.busy_ns += end - start
+            if self.trace is not None:
+                self.trace.append((start, decoded, streamed, looked_up, end))
             return None
         except BaseException as exc:  # noqa: BLE001 -- must never propagate into XLA
             message = f"jax_epilog: fused matmul failed: {type(exc).__name__}: {exc}"
@@ -273,6 +280,13 @@ class _Handler:
 
 
 _handler = _Handler()
+
+
+def trace_handler(enable: bool) -> list[tuple[int, ...]] | None:
+    """Start (or stop, returning them) per-call timestamps: (entry, attributes and buffers
+    decoded, stream fetched, plan found, cuBLASLt calls returned), in perf_counter ns."""
+    trace, _handler.trace = _handler.trace, ([] if enable else None)
+    return trace
 
 
 def handler_stats() -> tuple[int, int, int]:

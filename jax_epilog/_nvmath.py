@@ -231,8 +231,11 @@ class Plan:
         self._aux_attr = int(cublasLt.MatmulDescAttribute.EPILOGUE_AUX_POINTER)
         self._last = [None, None]
         self._lock = threading.Lock()
-        if _GIL_HOLDING is not None:
-            self.run = self._run_holding_gil
+        # The same two cuBLASLt calls either way; nvmath's bindings release the GIL.
+        self._matmul, self._set_attribute = _GIL_HOLDING or (
+            cublasLt.matmul,
+            cublasLt.matmul_desc_set_attribute,
+        )
 
     def _choose_algorithm(self):
         """The best heuristic algorithm for operands aligned to ``self.alignment`` bytes.
@@ -267,44 +270,21 @@ class Plan:
         with self._lock:
             if bias and bias != self._last[0]:
                 self._ptr_buf[0] = bias
-                cublasLt.matmul_desc_set_attribute(
-                    self._desc, self._bias_attr, self._bias_buf, 8
-                )
+                _check_status(self._set_attribute(self._desc, self._bias_attr, self._bias_buf, 8))
                 self._last[0] = bias
             if aux and aux != self._last[1]:
                 self._ptr_buf[1] = aux
-                cublasLt.matmul_desc_set_attribute(
-                    self._desc, self._aux_attr, self._aux_buf, 8
-                )
+                _check_status(self._set_attribute(self._desc, self._aux_attr, self._aux_buf, 8))
                 self._last[1] = aux
-            cublasLt.matmul(
-                self._handle, self._desc, self._alpha, a, a_layout, b, b_layout,
-                self._beta, d, c_layout, d, d_layout, self._algo,
-                self._ws_ptr, self._ws_size, stream,
-            )  # fmt: skip
-
-
-    def _run_holding_gil(self, stream: int, a: int, b: int, bias: int, d: int, aux: int) -> None:
-        """``run`` through the GIL-holding entry points (the same calls, same arguments)."""
-        matmul, set_attribute = _GIL_HOLDING
-        a_layout, b_layout, c_layout, d_layout = self._layouts
-        with self._lock:
-            if bias and bias != self._last[0]:
-                self._ptr_buf[0] = bias
-                _check_status(set_attribute(self._desc, self._bias_attr, self._bias_buf, 8))
-                self._last[0] = bias
-            if aux and aux != self._last[1]:
-                self._ptr_buf[1] = aux
-                _check_status(set_attribute(self._desc, self._aux_attr, self._aux_buf, 8))
-                self._last[1] = aux
-            _check_status(matmul(
+            _check_status(self._matmul(
                 self._handle, self._desc, self._alpha, a, a_layout, b, b_layout,
                 self._beta, d, c_layout, d, d_layout, self._algo,
                 self._ws_ptr, self._ws_size, stream,
             ))  # fmt: skip
 
 
-def _check_status(status: int) -> None:
+def _check_status(status: int | None) -> None:
+    """Raise for a nonzero cublasStatus_t (nvmath's bindings raise themselves, returning None)."""
     if status:
         raise RuntimeError(f"cuBLASLt returned {cublasLt.cuBLASLtError(status)}")
 

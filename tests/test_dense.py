@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from tolerances import assert_close, tolerance
+from tolerances import assert_close, epilog_slack, tolerance
 
 from jax_epilog import Activation, ComputeType, aux_padded_width, fused_dense
 
@@ -71,18 +71,20 @@ def first_bits(mask, n):
     return np.unpackbits(np.asarray(mask), axis=-1, bitorder="little")[..., :n].astype(bool)
 
 
-def relu_clear(z, dtype, k):
-    """Positions whose sign the op's rounding cannot flip: |z| > 10 * atol of the dtype."""
-    _, atol = tolerance(dtype, k)
-    return np.abs(z) > 10 * atol
+def relu_clear(z, dtype, k, *, acc_eps=None, factor=10.0):
+    """Positions whose sign the op's rounding cannot flip: |z| > factor * atol of the dtype."""
+    _, atol = tolerance(dtype, k, acc_eps=acc_eps)
+    return np.abs(z) > factor * atol
 
 
-def assert_relu_bits(aux, z, dtype, k):
+def assert_relu_bits(aux, z, dtype, k, *, acc_eps=None, factor=10.0, min_coverage=0.9):
+    """The first N bits of each aux row are z > 0 wherever rounding cannot flip z's sign."""
     n = z.shape[-1]
     bits = first_bits(aux, n)
-    clear = relu_clear(z, dtype, k)
+    assert bits.shape == z.shape, f"aux rows hold {bits.shape[-1]} bits, need {n}"
+    clear = relu_clear(z, dtype, k, acc_eps=acc_eps, factor=factor)
     if z.size >= 64:  # the check must not pass vacuously
-        assert clear.mean() > 0.9, f"only {clear.mean():.2%} of signs are clear of rounding"
+        assert clear.mean() > min_coverage, f"only {clear.mean():.2%} of signs are clear of rounding"
     mismatch = (bits != (z > 0)) & clear
     assert not mismatch.any(), (
         f"ReLU aux bits differ from z > 0 at {int(mismatch.sum())} positions, first at "
@@ -123,12 +125,14 @@ def count_backend_compiles():
 def test_forward_matches_float64_oracle(rng, dtype, activation, with_bias, shape):
     x_shape, n = shape
     x, w, b = make_inputs(rng, x_shape, n, dtype, bias=with_bias)
-    y = fused_dense(jnp.asarray(x), jnp.asarray(w), None if b is None else jnp.asarray(b), activation=activation)
+    y = fused_dense(
+        jnp.asarray(x), jnp.asarray(w), None if b is None else jnp.asarray(b), activation=activation
+    )
     assert isinstance(y, jax.Array)
     assert y.dtype == np.dtype(dtype)
     assert y.shape == (*x_shape[:-1], n)
-    expected, _ = oracle(x, w, b, activation)
-    assert_close(y, expected, dtype, k=x_shape[-1])
+    expected, z = oracle(x, w, b, activation)
+    assert_close(y, expected, dtype, k=x_shape[-1], slack=epilog_slack(dtype, z, b, activation))
 
 
 @pytest.mark.parametrize("activation", ["relu", "gelu"])
@@ -136,12 +140,17 @@ def test_seed_case_float16_with_float32_bias(rng, activation):
     (m, k), n = SEED_SHAPE
     x, w, b = make_inputs(rng, (m, k), n, "float16", bias_dtype="float32")
     y, aux = fused_dense(
-        jnp.asarray(x), jnp.asarray(w), jnp.asarray(b),
-        activation=activation, compute_type="COMPUTE_32F", return_aux=True,
+        jnp.asarray(x),
+        jnp.asarray(w),
+        jnp.asarray(b),
+        activation=activation,
+        compute_type="COMPUTE_32F",
+        return_aux=True,
     )
     assert y.dtype == np.float16 and y.shape == (m, n)
     expected, z = oracle(x, w, b, activation)  # uses the float32 bias, not a float16 copy
-    assert_close(y, expected, "float16", k=k)
+    # The epilog runs in float32 (D is float32), then XLA rounds once to float16.
+    assert_close(y, expected, "float16", k=k, slack=epilog_slack("float32", z, b, activation))
     if activation == "relu":
         assert aux.dtype == np.uint8 and aux.shape == (m, 16)
         assert_relu_bits(aux, z, "float16", k)
@@ -149,7 +158,7 @@ def test_seed_case_float16_with_float32_bias(rng, activation):
         # The epilog runs in float32, so z must be float32-accurate: a bias rounded to
         # float16 before the add would fail here.
         assert aux.dtype == np.float32 and aux.shape == (m, 104)
-        assert_close(np.asarray(aux)[:, :n], z, "float32", k=k)
+        assert_close(np.asarray(aux)[:, :n], z, "float32", k=k, slack=epilog_slack("float32", z, b))
 
 
 @pytest.mark.parametrize("shape", [((33, 129), 65), ((2, 3, 5, 17), 37)], ids=["33x129-N65", "2x3x5x17-N37"])
@@ -158,15 +167,17 @@ def test_seed_case_float16_with_float32_bias(rng, activation):
 def test_half_with_float32_bias(rng, dtype, activation, shape):
     x_shape, n = shape
     x, w, b = make_inputs(rng, x_shape, n, dtype, bias_dtype="float32")
-    y, aux = fused_dense(jnp.asarray(x), jnp.asarray(w), jnp.asarray(b), activation=activation, return_aux=True)
+    y, aux = fused_dense(
+        jnp.asarray(x), jnp.asarray(w), jnp.asarray(b), activation=activation, return_aux=True
+    )
     expected, z = oracle(x, w, b, activation)
     assert y.dtype == np.dtype(dtype) and y.shape == (*x_shape[:-1], n)
-    assert_close(y, expected, dtype, k=x_shape[-1])
+    assert_close(y, expected, dtype, k=x_shape[-1], slack=epilog_slack("float32", z, b, activation))
     if activation is None:
         assert aux is None
     elif activation == "gelu":
         assert aux.dtype == np.float32 and aux.shape == (*x_shape[:-1], _round_up(n, 8))
-        assert_close(np.asarray(aux)[..., :n], z, "float32", k=x_shape[-1])
+        assert_close(np.asarray(aux)[..., :n], z, "float32", k=x_shape[-1], slack=epilog_slack("float32", z, b))
     else:
         assert aux.dtype == np.uint8
         assert_relu_bits(aux, z, dtype, x_shape[-1])
@@ -178,19 +189,27 @@ def test_float16_compute_16f(rng, activation):
     (x_shape, n), k = ((33, 129), 65), 129
     x, w, b = make_inputs(rng, x_shape, n, "float16")
     y, aux = fused_dense(
-        jnp.asarray(x), jnp.asarray(w), jnp.asarray(b),
-        activation=activation, compute_type="COMPUTE_16F", return_aux=True,
+        jnp.asarray(x),
+        jnp.asarray(w),
+        jnp.asarray(b),
+        activation=activation,
+        compute_type="COMPUTE_16F",
+        return_aux=True,
     )
     expected, z = oracle(x, w, b, activation)
     eps16 = float(np.finfo(np.float16).eps)
     assert y.dtype == np.float16
-    assert_close(y, expected, "float16", k=k, acc_eps=eps16)
+    assert_close(y, expected, "float16", k=k, acc_eps=eps16, slack=epilog_slack("float16", z, b, activation))
     if activation == "gelu":
         assert aux.dtype == np.float16 and aux.shape == (33, 72)
-        assert_close(np.asarray(aux)[:, :n], z, "float16", k=k, acc_eps=eps16)
+        assert_close(np.asarray(aux)[:, :n], z, "float16", k=k, acc_eps=eps16, slack=epilog_slack("float16", z, b))
+    elif activation == "relu":
+        assert aux.dtype == np.uint8 and aux.shape == (33, 16)
+        assert_relu_bits(aux, z, "float16", k, acc_eps=eps16, factor=2.0, min_coverage=0.6)
 
 
 # --- the tolerance can fail -------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_tolerance_catches_wrong_results(rng, dtype):
@@ -201,35 +220,45 @@ def test_tolerance_catches_wrong_results(rng, dtype):
     x, w, b = make_inputs(rng, x_shape, n, dtype)
     xj, wj, bj = jnp.asarray(x), jnp.asarray(w), jnp.asarray(b)
 
-    def rejects(actual, expected):
+    # On a GPU every comparison grants the epilog's slack for the *right* answer; the bugs
+    # must still be rejected with it.
+    def rejects(actual, expected, slack=0.0):
         with pytest.raises(AssertionError, match="not close"):
-            assert_close(actual, expected, dtype, k=k)
+            assert_close(actual, expected, dtype, k=k, slack=slack)
 
     for act in ACTIVATIONS:
-        expected, _ = oracle(x, w, b, act)
-        assert_close(jit_dense(xj, wj, bj, activation=act), expected, dtype, k=k)  # the right one passes
-        rejects(jit_dense(xj, wj, None, activation=act), expected)  # bias forgotten
-        rejects(jit_dense(xj, wj, jnp.asarray(-b), activation=act), expected)  # bias of the wrong sign
+        expected, z = oracle(x, w, b, act)
+        slack = epilog_slack(dtype, z, b, act)
+        assert_close(jit_dense(xj, wj, bj, activation=act), expected, dtype, k=k, slack=slack)  # right: passes
+        rejects(jit_dense(xj, wj, None, activation=act), expected, slack)  # bias forgotten
+        rejects(jit_dense(xj, wj, jnp.asarray(-b), activation=act), expected, slack)  # bias of the wrong sign
     for act in ("relu", "gelu"):
-        expected, _ = oracle(x, w, b, act)
-        rejects(jit_dense(xj, wj, bj), expected)  # activation forgotten
+        expected, z = oracle(x, w, b, act)
+        slack = epilog_slack(dtype, z, b, act)
+        rejects(jit_dense(xj, wj, bj), expected, slack)  # activation forgotten
         other = "gelu" if act == "relu" else "relu"
-        rejects(jit_dense(xj, wj, bj, activation=other), expected)  # the other activation
+        rejects(jit_dense(xj, wj, bj, activation=other), expected, slack)  # the other activation
     expected, z = oracle(x, w, b, "gelu")
     if dtype in ("float32", "float64"):  # the exact erf GELU, where the output is precise enough
         erf_gelu = 0.5 * z * (1.0 + np.vectorize(math.erf)(z / math.sqrt(2.0)))
-        rejects(erf_gelu, expected)
+        rejects(erf_gelu, expected)  # a statement about the tolerance itself: no epilog slack
     # A transposed kernel (a square K x K one, so that it still fits) and the rows reversed.
     xs, ws, bs = make_inputs(rng, x_shape, k, dtype)
+    ys, zs = oracle(xs, ws, bs, "gelu")
     rejects(
-        jit_dense(jnp.asarray(xs), jnp.asarray(np.ascontiguousarray(ws.T)), jnp.asarray(bs), activation="gelu"),
-        oracle(xs, ws, bs, "gelu")[0],
+        jit_dense(
+            jnp.asarray(xs), jnp.asarray(np.ascontiguousarray(ws.T)), jnp.asarray(bs), activation="gelu"
+        ),
+        ys,
+        epilog_slack(dtype, zs, bs, "gelu"),
     )
-    rejects(np.asarray(jit_dense(xj, wj, bj))[::-1], oracle(x, w, b, None)[0])
+    y0, z0 = oracle(x, w, b, None)
+    rejects(np.asarray(jit_dense(xj, wj, bj))[::-1], y0, epilog_slack(dtype, z0, b))
     # The GELU aux shifted by one column.
     _, aux = jit_dense(xj, wj, bj, activation="gelu", return_aux=True)
-    assert_close(np.asarray(aux)[:, :n], z, dtype, k=k)
-    rejects(np.asarray(aux)[:, 1 : n + 1], z)
+    aux_slack = epilog_slack(dtype, z, b)
+    assert_close(np.asarray(aux)[:, :n], z, dtype, k=k, slack=aux_slack)
+    rejects(np.asarray(aux)[:, 1 : n + 1], z, aux_slack)
     # The ReLU aux shifted by one bit.
     _, aux = jit_dense(xj, wj, bj, activation="relu", return_aux=True)
     assert_relu_bits(aux, z, dtype, k)
@@ -239,7 +268,12 @@ def test_tolerance_catches_wrong_results(rng, dtype):
         assert_relu_bits(shifted, z, dtype, k)
 
 
-NARROWER = {"float64": np.float32, "float32": np.float16, "float16": ml_dtypes.bfloat16, "bfloat16": ml_dtypes.float8_e4m3fn}
+NARROWER = {
+    "float64": np.float32,
+    "float32": np.float16,
+    "float16": ml_dtypes.bfloat16,
+    "bfloat16": ml_dtypes.float8_e4m3fn,
+}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -266,13 +300,17 @@ def test_return_aux(rng, dtype, activation, with_bias, shape):
     k, lead = x_shape[-1], x_shape[:-1]
     x, w, b = make_inputs(rng, x_shape, n, dtype, bias=with_bias)
     out = fused_dense(
-        jnp.asarray(x), jnp.asarray(w), None if b is None else jnp.asarray(b), activation=activation, return_aux=True
+        jnp.asarray(x),
+        jnp.asarray(w),
+        None if b is None else jnp.asarray(b),
+        activation=activation,
+        return_aux=True,
     )
     assert isinstance(out, tuple) and len(out) == 2
     y, aux = out
     expected, z = oracle(x, w, b, activation)
     assert y.dtype == np.dtype(dtype) and y.shape == (*lead, n)
-    assert_close(y, expected, dtype, k=k)
+    assert_close(y, expected, dtype, k=k, slack=epilog_slack(dtype, z, b, activation))
     if activation == "relu":
         width = _round_up(n, 128) // 8
         assert width == aux_padded_width(Activation.RELU, n)
@@ -282,7 +320,7 @@ def test_return_aux(rng, dtype, activation, with_bias, shape):
         width = _round_up(n, 8)
         assert width == aux_padded_width(Activation.GELU, n)
         assert aux.dtype == np.dtype(dtype) and aux.shape == (*lead, width)
-        assert_close(np.asarray(aux)[..., :n], z, dtype, k=k)
+        assert_close(np.asarray(aux)[..., :n], z, dtype, k=k, slack=epilog_slack(dtype, z, b))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -290,7 +328,9 @@ def test_return_aux_without_activation_is_none(rng, dtype):
     x, w, b = make_inputs(rng, (3, 5), 7, dtype)
     y, aux = fused_dense(jnp.asarray(x), jnp.asarray(w), jnp.asarray(b), return_aux=True)
     assert aux is None
-    np.testing.assert_array_equal(np.asarray(y), np.asarray(fused_dense(jnp.asarray(x), jnp.asarray(w), jnp.asarray(b))))
+    np.testing.assert_array_equal(
+        np.asarray(y), np.asarray(fused_dense(jnp.asarray(x), jnp.asarray(w), jnp.asarray(b)))
+    )
 
 
 def test_activation_enum_members_and_numpy_inputs(rng):
@@ -308,7 +348,7 @@ def test_one_dimensional_x(rng):
     y, aux = fused_dense(jnp.asarray(x), jnp.asarray(w), jnp.asarray(b), activation="relu", return_aux=True)
     expected, z = oracle(x, w, b, "relu")
     assert y.shape == (65,) and aux.shape == (16,)
-    assert_close(y, expected, "float32", k=129)
+    assert_close(y, expected, "float32", k=129, slack=epilog_slack("float32", z, b, "relu"))
     assert_relu_bits(aux, z, "float32", 129)
 
 
@@ -353,12 +393,20 @@ def test_compute_type_as_name_or_member(rng, dtype, name):
     by_member = jit_dense(x, w, b, activation="gelu", compute_type=ComputeType[name])
     eager = fused_dense(x, w, b, activation="gelu", compute_type=ComputeType[name])
     np.testing.assert_array_equal(np.asarray(by_name), np.asarray(by_member))
-    np.testing.assert_array_equal(np.asarray(by_name), np.asarray(eager))
-    assert_close(by_name, oracle(x, w, b, "gelu")[0], dtype, k=129)
+    expected, z = oracle(x, w, b, "gelu")
+    slack = epilog_slack(dtype, z, b, "gelu")
+    # Eager runs in another executable, whose buffers may be aligned differently: on a GPU
+    # that can select another cuBLASLt algorithm, so eager is compared to the oracle.
+    assert_close(eager, expected, dtype, k=129, slack=slack)
+    assert_close(by_name, expected, dtype, k=129, slack=slack)
 
 
 def test_default_compute_type_is_32f_or_64f(rng):
-    for dtype, default in (("float16", "COMPUTE_32F"), ("float32", "COMPUTE_32F"), ("float64", "COMPUTE_64F")):
+    for dtype, default in (
+        ("float16", "COMPUTE_32F"),
+        ("float32", "COMPUTE_32F"),
+        ("float64", "COMPUTE_64F"),
+    ):
         x, w, b = (jnp.asarray(a) for a in make_inputs(rng, (3, 5), 7, dtype))
         np.testing.assert_array_equal(
             np.asarray(jit_dense(x, w, b, activation="relu")),
@@ -375,8 +423,8 @@ def test_float32_fast_compute_types_accepted(rng, name):
         y, aux = jit_dense(x, w, b, activation="gelu", compute_type=ct, return_aux=True)
         expected, z = oracle(x, w, b, "gelu")
         assert y.dtype == np.float32 and aux.dtype == np.float32
-        assert_close(y, expected, "float32", k=129, acc_eps=acc_eps)
-        assert_close(np.asarray(aux)[:, :65], z, "float32", k=129, acc_eps=acc_eps)
+        assert_close(y, expected, "float32", k=129, acc_eps=acc_eps, slack=epilog_slack("float32", z, b, "gelu"))
+        assert_close(np.asarray(aux)[:, :65], z, "float32", k=129, acc_eps=acc_eps, slack=epilog_slack("float32", z, b))
 
 
 # Regression: _primitive._impl once wrapped a fresh partial in a fresh jax.jit on every eager call.
@@ -398,11 +446,12 @@ def test_vmap_over_x_shared_kernel(rng, dtype, activation):
     batch, m, k, n = 4, 6, 129, 65
     xs, w, b = make_inputs(rng, (batch, m, k), n, dtype)
     xs, w, b = jnp.asarray(xs), jnp.asarray(w), jnp.asarray(b)
-    f = lambda x: fused_dense(x, w, b, activation=activation, return_aux=True)  # noqa: E731
+    f = lambda x: fused_dense(x, w, b, activation=activation, return_aux=True)
     stacked = fused_dense(xs, w, b, activation=activation, return_aux=True)
     for in_axis in (0, 1):
         mapped = jax.vmap(f, in_axes=in_axis)(jnp.moveaxis(xs, 0, in_axis))
         _assert_same_outputs(mapped, stacked, n)
+    _assert_same_outputs(jax.jit(jax.vmap(f))(xs), stacked, n)
     # and x batched as single rows: vmap of a 1-D x
     rows = jax.vmap(f)(xs.reshape(batch * m, k))
     _assert_same_outputs(rows, tuple(None if o is None else o.reshape(batch * m, -1) for o in stacked), n)
@@ -416,16 +465,19 @@ def test_vmap_ensemble_matches_python_loop(rng, activation, in_axes):
     x = jnp.asarray(rng.standard_normal((members, m, k) if in_axes[0] == 0 else (m, k)), dtype)
     w = jnp.asarray(rng.standard_normal((members, k, n) if in_axes[1] == 0 else (k, n)) / np.sqrt(k), dtype)
     b = jnp.asarray(rng.standard_normal((members, n) if in_axes[2] == 0 else (n,)), dtype)
-    f = lambda x, w, b: fused_dense(x, w, b, activation=activation, return_aux=True)  # noqa: E731
+    f = lambda x, w, b: fused_dense(x, w, b, activation=activation, return_aux=True)
     y, aux = jax.vmap(f, in_axes=in_axes)(x, w, b)
     assert y.shape == (members, m, n)
-    pick = lambda a, ax, i: a if ax is None else a[i]  # noqa: E731
+    pick = lambda a, ax, i: a if ax is None else a[i]
     for i in range(members):
         xi, wi, bi = (pick(a, ax, i) for a, ax in zip((x, w, b), in_axes))
         yi, auxi = f(xi, wi, bi)
-        assert_close(y[i], yi, dtype, k=k)
         expected, z = oracle(xi, wi, bi, activation)
-        assert_close(y[i], expected, dtype, k=k)
+        slack = epilog_slack(dtype, z, bi, activation)
+        # Members run from slices of stacked buffers: on a GPU another cuBLASLt algorithm
+        # may serve them, so the loop's result is compared with the epilog's slack too.
+        assert_close(y[i], yi, dtype, k=k, slack=2 * slack)
+        assert_close(y[i], expected, dtype, k=k, slack=slack)
         if activation is None:
             assert aux is None and auxi is None
         elif activation == "relu":
@@ -434,7 +486,8 @@ def test_vmap_ensemble_matches_python_loop(rng, activation, in_axes):
             np.testing.assert_array_equal(first_bits(aux[i], n), first_bits(auxi, n))
         else:
             assert aux.shape == (members, *auxi.shape)
-            assert_close(np.asarray(aux[i])[:, :n], np.asarray(auxi)[:, :n], dtype, k=k)
+            aux_slack = 2 * epilog_slack(dtype, z, bi)
+            assert_close(np.asarray(aux[i])[:, :n], np.asarray(auxi)[:, :n], dtype, k=k, slack=aux_slack)
 
 
 def _assert_same_outputs(got, want, n):
@@ -461,7 +514,9 @@ def _assert_same_outputs(got, want, n):
 def test_empty_m(rng, dtype, activation, x_shape):
     n = 37
     x, w, b = make_inputs(rng, x_shape, n, dtype)
-    y, aux = fused_dense(jnp.asarray(x), jnp.asarray(w), jnp.asarray(b), activation=activation, return_aux=True)
+    y, aux = fused_dense(
+        jnp.asarray(x), jnp.asarray(w), jnp.asarray(b), activation=activation, return_aux=True
+    )
     lead = x_shape[:-1]
     assert y.shape == (*lead, n) and y.dtype == np.dtype(dtype)
     if activation is None:
@@ -479,7 +534,11 @@ def test_empty_k_is_activation_of_bias(rng, dtype, activation, with_bias):
     if with_bias:
         b[:3] = [0.0, -1.5, 2.0]  # an exact zero is not positive
     y, aux = fused_dense(
-        jnp.asarray(x), jnp.asarray(w), None if b is None else jnp.asarray(b), activation=activation, return_aux=True
+        jnp.asarray(x),
+        jnp.asarray(w),
+        None if b is None else jnp.asarray(b),
+        activation=activation,
+        return_aux=True,
     )
     z = np.broadcast_to(np.zeros(n) if b is None else np.asarray(b, np.float64), (m, n))
     expected, _ = oracle(np.zeros((m, 0)), np.zeros((0, n)), b, activation)
@@ -493,7 +552,9 @@ def test_empty_k_is_activation_of_bias(rng, dtype, activation, with_bias):
 
 def test_empty_n(rng):
     x, w, _ = make_inputs(rng, (3, 5), 0, "float32")
-    y, aux = fused_dense(jnp.asarray(x), jnp.asarray(w), jnp.zeros((0,), jnp.float32), activation="relu", return_aux=True)
+    y, aux = fused_dense(
+        jnp.asarray(x), jnp.asarray(w), jnp.zeros((0,), jnp.float32), activation="relu", return_aux=True
+    )
     assert y.shape == (3, 0) and aux.shape == (3, 0)
 
 
@@ -525,7 +586,9 @@ def test_error_bias_wrong_length():
 
 
 def test_error_bias_wrong_rank():
-    _raises(ValueError, lambda: fused_dense(_arr((3, 5)), _arr((5, 7)), _arr((1, 7))), "(1, 7)", "(N,) = (7,)")
+    _raises(
+        ValueError, lambda: fused_dense(_arr((3, 5)), _arr((5, 7)), _arr((1, 7))), "(1, 7)", "(N,) = (7,)"
+    )
 
 
 @pytest.mark.parametrize("dtype", ["int32", "complex64", "bool", "uint8"])
@@ -542,7 +605,12 @@ def test_error_unsupported_x_dtype(dtype):
 
 
 def test_error_mixed_x_and_kernel_dtypes():
-    _raises(TypeError, lambda: fused_dense(_arr((3, 5)), _arr((5, 7), jnp.float16)), "kernel dtype float16", "x dtype float32")
+    _raises(
+        TypeError,
+        lambda: fused_dense(_arr((3, 5)), _arr((5, 7), jnp.float16)),
+        "kernel dtype float16",
+        "x dtype float32",
+    )
 
 
 @pytest.mark.parametrize(
@@ -565,7 +633,13 @@ def test_error_bias_dtype(x_dtype, b_dtype, allowed):
 
 
 def test_error_unknown_activation():
-    msg = _raises(ValueError, lambda: fused_dense(_arr((3, 5)), _arr((5, 7)), activation="tanh"), "'tanh'", "'relu'", "'gelu'")
+    msg = _raises(
+        ValueError,
+        lambda: fused_dense(_arr((3, 5)), _arr((5, 7)), activation="tanh"),
+        "'tanh'",
+        "'relu'",
+        "'gelu'",
+    )
     assert "None" in msg
 
 
@@ -581,7 +655,7 @@ def test_error_exact_gelu_points_to_tanh_approximation(name):
     )
 
 
-@pytest.mark.parametrize("value", ["COMPUTE_99F", "compute_32f", 68, 3.0], ids=str)
+@pytest.mark.parametrize("value", ["COMPUTE_99F", "compute_32f", "", 3.0], ids=repr)
 def test_error_unknown_compute_type(value):
     _raises(
         ValueError,
@@ -603,8 +677,10 @@ def test_error_unknown_compute_type(value):
             "float32",
             None,
             "COMPUTE_16F",
-            "['COMPUTE_32F', 'COMPUTE_32F_PEDANTIC', 'COMPUTE_32F_FAST_TF32', 'COMPUTE_32F_FAST_16F', "
-            "'COMPUTE_32F_FAST_16BF']",
+            (
+                "['COMPUTE_32F', 'COMPUTE_32F_PEDANTIC', 'COMPUTE_32F_FAST_TF32', 'COMPUTE_32F_FAST_16F', "
+                "'COMPUTE_32F_FAST_16BF']"
+            ),
         ),
         ("float64", None, "COMPUTE_32F", "['COMPUTE_64F', 'COMPUTE_64F_PEDANTIC']"),
     ],
@@ -615,14 +691,24 @@ def test_error_compute_type_invalid_for_dtype(x_dtype, b_dtype, compute_type, al
     if b_dtype == "float32":
         needles.append("with a float32 bias")
     for ct in (compute_type, ComputeType[compute_type]):
-        _raises(ValueError, lambda: fused_dense(_arr((3, 5), x_dtype), _arr((5, 7), x_dtype), bias, compute_type=ct), *needles)
+        _raises(
+            ValueError,
+            lambda ct=ct: fused_dense(_arr((3, 5), x_dtype), _arr((5, 7), x_dtype), bias, compute_type=ct),
+            *needles,
+        )
 
 
 @pytest.mark.parametrize("which", ["x", "kernel", "bias"])
 def test_error_python_list(which):
     args = {"x": _arr((3, 5)), "kernel": _arr((5, 7)), "bias": _arr((7,))}
     args[which] = np.asarray(args[which]).tolist()
-    _raises(TypeError, lambda: fused_dense(args["x"], args["kernel"], args["bias"]), f"{which} must be", "JAX or NumPy array", "got list")
+    _raises(
+        TypeError,
+        lambda: fused_dense(args["x"], args["kernel"], args["bias"]),
+        f"{which} must be",
+        "JAX or NumPy array",
+        "got list",
+    )
 
 
 @pytest.mark.parametrize("shape", [(5,), (5, 7, 1)], ids=["rank1", "rank3"])
@@ -631,7 +717,9 @@ def test_error_kernel_rank(shape):
 
 
 def test_error_scalar_x():
-    _raises(ValueError, lambda: fused_dense(jnp.asarray(1.0, F32), _arr((5, 7))), "scalar of shape ()", "(..., K)")
+    _raises(
+        ValueError, lambda: fused_dense(jnp.asarray(1.0, F32), _arr((5, 7))), "scalar of shape ()", "(..., K)"
+    )
 
 
 # --- errors at trace time ---------------------------------------------------------------------
@@ -648,7 +736,12 @@ S = jax.ShapeDtypeStruct
         ((S((3, 5), F32), S((5, 7), jnp.float16)), {}, TypeError, "kernel dtype float16"),
         ((S((3, 5), F32), S((5, 7), F32), S((7,), jnp.float16)), {}, TypeError, "bias dtype float16"),
         ((S((3, 5), F32), S((5, 7), F32)), {"activation": "tanh"}, ValueError, "unknown activation"),
-        ((S((3, 5), jnp.bfloat16), S((5, 7), jnp.bfloat16)), {"compute_type": "COMPUTE_16F"}, ValueError, "cannot run bfloat16"),
+        (
+            (S((3, 5), jnp.bfloat16), S((5, 7), jnp.bfloat16)),
+            {"compute_type": "COMPUTE_16F"},
+            ValueError,
+            "cannot run bfloat16",
+        ),
         ((S((3, 5), F32), S((5,), F32)), {}, ValueError, "kernel must have shape (K, N)"),
     ],
     ids=["K", "bias-rank", "int32", "mixed", "bias-dtype", "activation", "compute-type", "kernel-rank"],
@@ -665,9 +758,29 @@ def test_errors_raise_at_trace_time(args, kwargs, exc, needle):
 def test_abstract_trace_of_valid_inputs():
     out = jax.eval_shape(
         lambda x, w, b: fused_dense(x, w, b, activation="gelu", return_aux=True),
-        S((2, 3, 40, 24), jnp.float16), S((24, 37), jnp.float16), S((37,), jnp.float32),
+        S((2, 3, 40, 24), jnp.float16),
+        S((24, 37), jnp.float16),
+        S((37,), jnp.float32),
     )
     assert out[0].shape == (2, 3, 40, 37) and out[0].dtype == np.float16
     assert out[1].shape == (2, 3, 40, 40) and out[1].dtype == np.float32
     lowered = jit_dense.lower(S((2, 3, 40, 24), F32), S((24, 37), F32), activation="relu", return_aux=True)
     assert lowered.out_info[1].shape == (2, 3, 40, 16) and lowered.out_info[1].dtype == np.uint8
+
+
+# --- NumPy float64 inputs without jax_enable_x64 ----------------------------------------------
+
+
+def test_numpy_float64_inputs_without_x64(rng):
+    x, w, b = make_inputs(rng, (3, 5), 7, "float64")
+    with jax.enable_x64(False):
+        # Like jnp.matmul: NumPy float64 inputs are canonicalised to float32.
+        assert jnp.matmul(x, w).dtype == np.float32
+        jitted = jit_dense(x, w, b, activation="gelu")
+        assert jitted.dtype == np.float32
+        eager = fused_dense(x, w, b, activation="gelu")
+        assert eager.dtype == np.float32
+    x32, w32, b32 = (a.astype(np.float32) for a in (x, w, b))
+    expected, z = oracle(x32, w32, b32, "gelu")
+    for y in (eager, jitted):
+        assert_close(y, expected, "float32", k=5, slack=epilog_slack("float32", z, b32, "gelu"))

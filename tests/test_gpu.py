@@ -205,7 +205,7 @@ def test_nvmath_internals_are_where_the_fast_path_expects(rng):
     assert all(hasattr(plan._mm, name) for name in _nvmath._MATMUL_INTERNALS)
     # The handler calls cuBLASLt through nvmath's resolved symbols, holding the GIL.
     assert _nvmath._GIL_HOLDING is not None
-    assert plan.run == plan._run_holding_gil
+    assert plan._matmul is _nvmath._GIL_HOLDING[0]
 
 
 def test_no_device_memory_leak_over_1000_jitted_calls(rng):

@@ -165,7 +165,9 @@ def test_gelu_tolerance_tells_tanh_from_erf():
 
 def test_relu_and_identity(rng):
     z = rng.standard_normal((7, 13))
-    np.testing.assert_array_equal(np.asarray(_reference.activate(jnp.asarray(z), Activation.RELU)), np.maximum(z, 0))
+    np.testing.assert_array_equal(
+        np.asarray(_reference.activate(jnp.asarray(z), Activation.RELU)), np.maximum(z, 0)
+    )
     np.testing.assert_array_equal(np.asarray(_reference.activate(jnp.asarray(z), None)), z)
 
 

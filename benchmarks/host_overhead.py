@@ -64,16 +64,28 @@ def main():
     f = jax.jit(lambda x, w, b: fused_dense(x, w, b, activation="relu"))
     g = jax.jit(lambda x, w, b: jax.nn.relu(x @ w + b))
     f(x, w, bb).block_until_ready()
-    for label, call in [("sync each call", lambda: f(x, w, bb).block_until_ready()), ("back to back", lambda: f(x, w, bb))]:
-        c0, ns0, _ = _ffi.handler_stats()
-        _ffi.trace_handler(True)
-        tf = per_call_us(call, 500)
-        trace = np.diff(np.asarray(_ffi.trace_handler(False), dtype=np.int64), axis=1) / 1e3
-        c1, ns1, _ = _ffi.handler_stats()
-        tg = per_call_us(lambda: g(x, w, bb).block_until_ready(), 500)
-        parts = ", ".join(f"{name} {v:.2f}" for name, v in zip(("decode", "stream", "lookup", "cuBLASLt"), np.median(trace, axis=0)))
-        print(f"jit fused ({label}) {tf:6.2f} µs; XLA {tg:6.2f} µs; handler {(ns1 - ns0) / (c1 - c0) / 1e3:6.2f} µs/call "
-              f"(medians: {parts} µs)")
+    variants = {
+        "cuBLASLt called holding the GIL": (plan._matmul, plan._set_attribute),
+        "nvmath bindings (release the GIL)": (cublasLt.matmul, cublasLt.matmul_desc_set_attribute),
+    }
+    for variant, functions in variants.items():
+        for p in _nvmath._plans.values():
+            p._matmul, p._set_attribute = functions
+        print(variant)
+        loops = [("sync each call", lambda: f(x, w, bb).block_until_ready()), ("back to back", lambda: f(x, w, bb))]
+        for label, call in loops:
+            c0, ns0, _ = _ffi.handler_stats()
+            _ffi.trace_handler(True)
+            tf = per_call_us(call, 500)
+            trace = np.diff(np.asarray(_ffi.trace_handler(False), dtype=np.int64), axis=1) / 1e3
+            c1, ns1, _ = _ffi.handler_stats()
+            tg = per_call_us(lambda: g(x, w, bb).block_until_ready(), 500)
+            steps = ("decode", "stream", "lookup", "cuBLASLt")
+            parts = ", ".join(f"{name} {v:.2f}" for name, v in zip(steps, np.median(trace, axis=0)))
+            print(f"  jit fused ({label}) {tf:6.2f} µs; XLA {tg:6.2f} µs; handler "
+                  f"{(ns1 - ns0) / (c1 - c0) / 1e3:6.2f} µs/call (medians: {parts} µs)")
+    for p in _nvmath._plans.values():
+        p._matmul, p._set_attribute = variants["cuBLASLt called holding the GIL"]
 
 
 if __name__ == "__main__":

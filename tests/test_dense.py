@@ -71,18 +71,20 @@ def first_bits(mask, n):
     return np.unpackbits(np.asarray(mask), axis=-1, bitorder="little")[..., :n].astype(bool)
 
 
-def relu_clear(z, dtype, k, *, acc_eps=None, factor=10.0):
-    """Positions whose sign the op's rounding cannot flip: |z| > factor * atol of the dtype."""
+def relu_clear(z, dtype, k, *, acc_eps=None, factor=10.0, slack=0.0):
+    """Positions whose sign the op's rounding cannot flip: |z| > factor * atol of the dtype
+    (plus twice the GPU epilog's slack, see tolerances.epilog_slack)."""
     _, atol = tolerance(dtype, k, acc_eps=acc_eps)
-    return np.abs(z) > factor * atol
+    return np.abs(z) > factor * atol + 2 * slack
 
 
-def assert_relu_bits(aux, z, dtype, k, *, acc_eps=None, factor=10.0, min_coverage=0.9):
+def assert_relu_bits(aux, z, dtype, k, *, acc_eps=None, factor=10.0, min_coverage=0.9, bias=None, epilog_dtype=None):
     """The first N bits of each aux row are z > 0 wherever rounding cannot flip z's sign."""
     n = z.shape[-1]
     bits = first_bits(aux, n)
     assert bits.shape == z.shape, f"aux rows hold {bits.shape[-1]} bits, need {n}"
-    clear = relu_clear(z, dtype, k, acc_eps=acc_eps, factor=factor)
+    slack = epilog_slack(epilog_dtype or dtype, z, bias)
+    clear = relu_clear(z, dtype, k, acc_eps=acc_eps, factor=factor, slack=slack)
     if z.size >= 64:  # the check must not pass vacuously
         assert clear.mean() > min_coverage, f"only {clear.mean():.2%} of signs are clear of rounding"
     mismatch = (bits != (z > 0)) & clear
@@ -153,7 +155,7 @@ def test_seed_case_float16_with_float32_bias(rng, activation):
     assert_close(y, expected, "float16", k=k, slack=epilog_slack("float32", z, b, activation))
     if activation == "relu":
         assert aux.dtype == np.uint8 and aux.shape == (m, 16)
-        assert_relu_bits(aux, z, "float16", k)
+        assert_relu_bits(aux, z, "float16", k, bias=b, epilog_dtype="float32")
     else:
         # The epilog runs in float32, so z must be float32-accurate: a bias rounded to
         # float16 before the add would fail here.
@@ -180,7 +182,7 @@ def test_half_with_float32_bias(rng, dtype, activation, shape):
         assert_close(np.asarray(aux)[..., :n], z, "float32", k=x_shape[-1], slack=epilog_slack("float32", z, b))
     else:
         assert aux.dtype == np.uint8
-        assert_relu_bits(aux, z, dtype, x_shape[-1])
+        assert_relu_bits(aux, z, dtype, x_shape[-1], bias=b, epilog_dtype="float32")
 
 
 @pytest.mark.parametrize("activation", ACTIVATIONS, ids=str)
@@ -205,7 +207,7 @@ def test_float16_compute_16f(rng, activation):
         assert_close(np.asarray(aux)[:, :n], z, "float16", k=k, acc_eps=eps16, slack=epilog_slack("float16", z, b))
     elif activation == "relu":
         assert aux.dtype == np.uint8 and aux.shape == (33, 16)
-        assert_relu_bits(aux, z, "float16", k, acc_eps=eps16, factor=2.0, min_coverage=0.6)
+        assert_relu_bits(aux, z, "float16", k, acc_eps=eps16, factor=2.0, min_coverage=0.6, bias=b)
 
 
 # --- the tolerance can fail -------------------------------------------------------------------
@@ -261,11 +263,11 @@ def test_tolerance_catches_wrong_results(rng, dtype):
     rejects(np.asarray(aux)[:, 1 : n + 1], z, aux_slack)
     # The ReLU aux shifted by one bit.
     _, aux = jit_dense(xj, wj, bj, activation="relu", return_aux=True)
-    assert_relu_bits(aux, z, dtype, k)
+    assert_relu_bits(aux, z, dtype, k, bias=b)
     bits = np.unpackbits(np.asarray(aux), axis=-1, bitorder="little")
     shifted = np.packbits(np.roll(bits, 1, axis=-1), axis=-1, bitorder="little")
     with pytest.raises(AssertionError, match="bits differ"):
-        assert_relu_bits(shifted, z, dtype, k)
+        assert_relu_bits(shifted, z, dtype, k, bias=b)
 
 
 NARROWER = {
@@ -315,7 +317,7 @@ def test_return_aux(rng, dtype, activation, with_bias, shape):
         width = _round_up(n, 128) // 8
         assert width == aux_padded_width(Activation.RELU, n)
         assert aux.dtype == np.uint8 and aux.shape == (*lead, width)
-        assert_relu_bits(aux, z, dtype, k)
+        assert_relu_bits(aux, z, dtype, k, bias=b)
     else:
         width = _round_up(n, 8)
         assert width == aux_padded_width(Activation.GELU, n)
@@ -349,7 +351,7 @@ def test_one_dimensional_x(rng):
     expected, z = oracle(x, w, b, "relu")
     assert y.shape == (65,) and aux.shape == (16,)
     assert_close(y, expected, "float32", k=129, slack=epilog_slack("float32", z, b, "relu"))
-    assert_relu_bits(aux, z, "float32", 129)
+    assert_relu_bits(aux, z, "float32", 129, bias=b)
 
 
 # --- jit and compute types --------------------------------------------------------------------
@@ -482,7 +484,7 @@ def test_vmap_ensemble_matches_python_loop(rng, activation, in_axes):
             assert aux is None and auxi is None
         elif activation == "relu":
             assert aux.shape == (members, *auxi.shape)
-            assert_relu_bits(aux[i], z, dtype, k)
+            assert_relu_bits(aux[i], z, dtype, k, bias=bi)
             np.testing.assert_array_equal(first_bits(aux[i], n), first_bits(auxi, n))
         else:
             assert aux.shape == (members, *auxi.shape)

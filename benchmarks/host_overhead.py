@@ -39,22 +39,20 @@ def main():
     stream = cp.cuda.Stream(non_blocking=True)
     s = stream.ptr
     print(f"Plan.run same pointers      {per_call_us(lambda: plan.run(s, a, b, bias, d, aux)):6.2f} µs")
-    held = plan._matmul, plan._set_attribute
-    plan._matmul, plan._set_attribute = cublasLt.matmul, cublasLt.matmul_desc_set_attribute
-    nvmath_run = per_call_us(lambda: plan.run(s, a, b, bias, d, aux))
-    plan._matmul, plan._set_attribute = held
-    print(f"  same, via nvmath bindings {nvmath_run:6.2f} µs (these release the GIL)")
     flip = [bias, bias2]
     i = [0]
 
-    def alternating():
+    def alternating():  # as when call sites of one problem alternate: one attribute set each
         i[0] ^= 1
         plan.run(s, a, b, flip[i[0]], d, aux)
 
     print(f"Plan.run alternating bias   {per_call_us(alternating):6.2f} µs")
     lay = plan._layouts
-    raw = lambda: cublasLt.matmul(plan._handle, plan._desc, plan._alpha, a, lay[0], b, lay[1], plan._beta,  # noqa: E731
-                                  d, lay[2], d, lay[3], plan._algo, plan._ws_ptr, plan._ws_size, s)
+
+    def raw():
+        cublasLt.matmul(plan._handle, plan._desc, plan._alpha, a, lay[0], b, lay[1], plan._beta,
+                        d, lay[2], d, lay[3], plan._algo, plan._ws_ptr, plan._ws_size, s)
+
     print(f"cublasLt.matmul alone       {per_call_us(raw):6.2f} µs")
     print(f"alignment_of                {per_call_us(lambda: _nvmath.alignment_of(a, b, d, bias, aux)):6.2f} µs")
 
@@ -64,28 +62,18 @@ def main():
     f = jax.jit(lambda x, w, b: fused_dense(x, w, b, activation="relu"))
     g = jax.jit(lambda x, w, b: jax.nn.relu(x @ w + b))
     f(x, w, bb).block_until_ready()
-    variants = {
-        "cuBLASLt called holding the GIL": (plan._matmul, plan._set_attribute),
-        "nvmath bindings (release the GIL)": (cublasLt.matmul, cublasLt.matmul_desc_set_attribute),
-    }
-    for variant, functions in variants.items():
-        for p in _nvmath._plans.values():
-            p._matmul, p._set_attribute = functions
-        print(variant)
-        loops = [("sync each call", lambda: f(x, w, bb).block_until_ready()), ("back to back", lambda: f(x, w, bb))]
-        for label, call in loops:
-            c0, ns0, _ = _ffi.handler_stats()
-            _ffi.trace_handler(True)
-            tf = per_call_us(call, 500)
-            trace = np.diff(np.asarray(_ffi.trace_handler(False), dtype=np.int64), axis=1) / 1e3
-            c1, ns1, _ = _ffi.handler_stats()
-            tg = per_call_us(lambda: g(x, w, bb).block_until_ready(), 500)
-            steps = ("decode", "stream", "lookup", "cuBLASLt")
-            parts = ", ".join(f"{name} {v:.2f}" for name, v in zip(steps, np.median(trace, axis=0)))
-            print(f"  jit fused ({label}) {tf:6.2f} µs; XLA {tg:6.2f} µs; handler "
-                  f"{(ns1 - ns0) / (c1 - c0) / 1e3:6.2f} µs/call (medians: {parts} µs)")
-    for p in _nvmath._plans.values():
-        p._matmul, p._set_attribute = variants["cuBLASLt called holding the GIL"]
+    loops = [("sync each call", lambda: f(x, w, bb).block_until_ready()), ("back to back", lambda: f(x, w, bb))]
+    for label, call in loops:
+        c0, ns0, _ = _ffi.handler_stats()
+        _ffi.trace_handler(True)
+        tf = per_call_us(call, 500)
+        trace = np.diff(np.asarray(_ffi.trace_handler(False), dtype=np.int64), axis=1) / 1e3
+        c1, ns1, _ = _ffi.handler_stats()
+        tg = per_call_us(lambda: g(x, w, bb).block_until_ready(), 500)
+        steps = ("decode", "stream", "lookup", "cuBLASLt")
+        parts = ", ".join(f"{name} {v:.2f}" for name, v in zip(steps, np.median(trace, axis=0)))
+        print(f"jit fused ({label}) {tf:6.2f} µs; XLA {tg:6.2f} µs; handler "
+              f"{(ns1 - ns0) / (c1 - c0) / 1e3:6.2f} µs/call (medians: {parts} µs)")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ that renames them fails loudly, at planning, with a message that says so.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import threading
 from typing import Any
 
@@ -54,46 +53,6 @@ _NP_DTYPES = {
     "bfloat16": np.dtype(ml_dtypes.bfloat16),
     "float32": np.dtype(np.float32),
 }
-
-
-def _gil_holding_entry_points():
-    """cublasLtMatmul and cublasLtMatmulDescSetAttribute of the library nvmath loaded,
-    bound to be called *with the GIL held*, or None if nvmath does not expose them.
-
-    nvmath's bindings release the GIL around each call. Inside the FFI handler each release
-    means queueing for the GIL again behind the thread that is dispatching JAX calls, which
-    cost more than the calls themselves (measured: see benchmarks/README.md).
-    """
-    try:
-        from nvmath.bindings._internal import cublasLt as loader
-    except ImportError:
-        return None
-
-    def address(name: str) -> int | None:
-        for candidate in (f"__{name}", name):
-            try:
-                ptr = loader._inspect_function_pointer(candidate)
-            except Exception:  # noqa: BLE001 -- an unknown name is a miss, not an error
-                continue
-            if ptr:
-                return ptr
-        return None
-
-    cublasLt.get_version()  # makes nvmath load the library and resolve its symbols
-    matmul, set_attribute = address("cublasLtMatmul"), address("cublasLtMatmulDescSetAttribute")
-    if not (matmul and set_attribute):
-        return None
-    vp, size = ctypes.c_void_p, ctypes.c_size_t
-    return (
-        # (handle, desc, alpha, A, Adesc, B, Bdesc, beta, C, Cdesc, D, Ddesc, algo,
-        #  workspace, workspace size, stream)
-        ctypes.PYFUNCTYPE(ctypes.c_int, *[vp] * 14, size, vp)(matmul),
-        # (desc, attribute, buffer, buffer size)
-        ctypes.PYFUNCTYPE(ctypes.c_int, vp, ctypes.c_int, vp, size)(set_attribute),
-    )
-
-
-_GIL_HOLDING = _gil_holding_entry_points()
 
 
 class PlanningError(RuntimeError):
@@ -231,11 +190,6 @@ class Plan:
         self._aux_attr = int(cublasLt.MatmulDescAttribute.EPILOGUE_AUX_POINTER)
         self._last = [None, None]
         self._lock = threading.Lock()
-        # The same two cuBLASLt calls either way; nvmath's bindings release the GIL.
-        self._matmul, self._set_attribute = _GIL_HOLDING or (
-            cublasLt.matmul,
-            cublasLt.matmul_desc_set_attribute,
-        )
 
     def _choose_algorithm(self):
         """The best heuristic algorithm for operands aligned to ``self.alignment`` bytes.
@@ -271,26 +225,20 @@ class Plan:
     def run(self, stream: int, a: int, b: int, bias: int, d: int, aux: int) -> None:
         """One fused GEMM on ``stream``: A = kernel, B = x, D and aux are outputs."""
         a_layout, b_layout, c_layout, d_layout = self._layouts
-        with self._lock:
+        with self._lock:  # the descriptor is shared by every call site of this problem
             if bias and bias != self._last[0]:
                 self._ptr_buf[0] = bias
-                _check_status(self._set_attribute(self._desc, self._bias_attr, self._bias_buf, 8))
+                cublasLt.matmul_desc_set_attribute(self._desc, self._bias_attr, self._bias_buf, 8)
                 self._last[0] = bias
             if aux and aux != self._last[1]:
                 self._ptr_buf[1] = aux
-                _check_status(self._set_attribute(self._desc, self._aux_attr, self._aux_buf, 8))
+                cublasLt.matmul_desc_set_attribute(self._desc, self._aux_attr, self._aux_buf, 8)
                 self._last[1] = aux
-            _check_status(self._matmul(
+            cublasLt.matmul(
                 self._handle, self._desc, self._alpha, a, a_layout, b, b_layout,
                 self._beta, d, c_layout, d, d_layout, self._algo,
                 self._ws_ptr, self._ws_size, stream,
-            ))  # fmt: skip
-
-
-def _check_status(status: int | None) -> None:
-    """Raise for a nonzero cublasStatus_t (nvmath's bindings raise themselves, returning None)."""
-    if status:
-        raise RuntimeError(f"cuBLASLt returned {cublasLt.cuBLASLtError(status)}")
+            )  # fmt: skip
 
 
 _plans: dict[tuple[EpilogSpec, int, int], Plan] = {}

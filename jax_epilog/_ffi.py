@@ -1,9 +1,9 @@
 """The only module that knows the XLA FFI C ABI: the ctypes handler and its registration.
 
 XLA calls ``_handler`` with an ``XLA_FFI_CallFrame*``. The frame is decoded with fixed
-offsets (XLA FFI API 0.1, 64-bit): one bulk read of the frame header, one read of each
-buffer's data pointer, one attribute (``_key``) and ``XLA_FFI_Stream_Get``. Everything
-else about the problem is decoded once per distinct ``_key`` and cached.
+offsets (XLA FFI API 0.1, 64-bit) as 8-byte words: a few header fields, each buffer's data
+pointer, one attribute (``_key``), then ``XLA_FFI_Stream_Get``. Everything else about the
+problem is decoded once per distinct ``_key`` (usually at lowering) and cached.
 
 The handler declares the command-buffer trait, so XLA may capture it into a CUDA graph:
 it launches exactly one ``cublasLtMatmul`` per call and never synchronises or allocates
@@ -280,6 +280,14 @@ class _Handler:
 
 
 _handler = _Handler()
+_handler_fn = _HANDLER_FN(_handler)
+_registered = False
+_register_lock = threading.Lock()
+
+
+def handler_stats() -> tuple[int, int, int]:
+    """(executions so far, host nanoseconds spent in them, (problem, stream, alignment) resolved)."""
+    return _handler.calls, _handler.busy_ns, _handler.resolved
 
 
 def trace_handler(enable: bool) -> list[tuple[int, ...]] | None:
@@ -287,14 +295,6 @@ def trace_handler(enable: bool) -> list[tuple[int, ...]] | None:
     decoded, stream fetched, plan found, cuBLASLt calls returned), in perf_counter ns."""
     trace, _handler.trace = _handler.trace, ([] if enable else None)
     return trace
-
-
-def handler_stats() -> tuple[int, int, int]:
-    """(executions so far, host nanoseconds spent in them, (problem, stream, alignment) resolved)."""
-    return _handler.calls, _handler.busy_ns, _handler.resolved
-_handler_fn = _HANDLER_FN(_handler)
-_registered = False
-_register_lock = threading.Lock()
 
 
 def ensure_registered() -> None:

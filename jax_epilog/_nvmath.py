@@ -44,8 +44,9 @@ _MATMUL_INTERNALS = (
     "beta",
 )
 
-# The planning views start this many bytes past an allocation, so nvmath's alignment
-# preferences (taken from the operands' addresses) equal the alignment the plan serves.
+# The operand alignments a plan can promise cuBLASLt, best first: XLA guarantees 16 bytes
+# and usually gives 256. (The planning views are offset to match, so nvmath's own
+# heuristic query sees the same alignment as ours.)
 _ALIGNMENTS = (256, 16)
 
 _NP_DTYPES = {
@@ -173,7 +174,9 @@ class Plan:
         self._alpha = mm.alpha.ctypes.data
         self._beta = mm.beta.ctypes.data
         heuristic = self._choose_algorithm()
-        self._algo_struct = heuristic[0]["algo"]  # keeps the algorithm's bytes alive
+        # cuBLASLt reads the algorithm struct at every call: keep the object that owns it
+        # (as nvmath does with its cached_best_algorithm_struct).
+        self._algo_struct = heuristic[0]["algo"]
         self._algo = self._algo_struct.ctypes.data
         ws_size = int(np.max(heuristic["workspace_size"]))
         if ws_size and spec.epilog != "DEFAULT":

@@ -1,13 +1,16 @@
-"""``fused_dense``: the public forward op, with every check made at trace time."""
+"""``fused_dense``: the public op, checked at trace time, differentiable through its aux."""
 
 from __future__ import annotations
 
 import enum
+import functools
 import math
+from typing import NamedTuple
 
 import jax
 import numpy as np
 
+from . import _reference
 from ._epilogs import (
     HALF_DTYPES,
     SUPPORTED_DTYPES,
@@ -106,6 +109,13 @@ def fused_dense(
     float64 runs on XLA's path everywhere (cuBLASLt has no float64 epilogs), as does a
     problem with an empty dimension or one cuBLASLt refuses (a warning says so, once).
     Raises TypeError/ValueError at trace time for anything else it cannot compute.
+
+    Differentiation: reverse mode (``jax.grad``, ``jax.vjp``) in ``x``, ``kernel`` and
+    ``bias``, each gradient in its primal's dtype. The forward saves only ``x``, ``kernel``
+    and the aux (one bit per output for ReLU); the backward forms ``dz = dy * act'(z)``
+    from it (ReLU's derivative at ``z == 0`` is 0, as for ``jax.nn.relu``) and runs its
+    GEMMs with XLA. With ``return_aux=True`` the GELU aux is differentiable (it is ``z``);
+    the ReLU mask is not. Forward mode (``jax.jvp``) is not supported and raises.
     """
     _check_array(x, "x")
     _check_array(kernel, "kernel")
@@ -145,20 +155,68 @@ def fused_dense(
             )
     ct = _compute_type(compute_type, dtype, f32_bias)
 
+    config = _Config(
+        activation=act,
+        compute_type=ct,
+        d_dtype="float32" if f32_bias else dtype,
+        bias_dtype=None if bias is None else _dtype_name(bias),
+        return_aux=return_aux,
+    )
     lead = x.shape[:-1]
-    x2 = x.reshape(math.prod(lead), k)
+    y, aux = _dense(x.reshape(math.prod(lead), k), kernel, bias, config)
+    y = y.reshape(*lead, n)
+    if not return_aux:
+        return y
+    return y, (None if aux is None else aux.reshape(*lead, aux.shape[-1]))
+
+
+class _Config(NamedTuple):
+    """The static half of a call: hashable, so it can be a custom_vjp nondiff argument."""
+
+    activation: Activation | None
+    compute_type: ComputeType
+    d_dtype: str
+    bias_dtype: str | None
+    return_aux: bool
+
+
+def _forward(x2, kernel, bias, config: _Config, with_aux: bool):
     outs = fused_matmul(
         x2,
         kernel,
         bias,
-        activation=act,
-        with_aux=return_aux,
-        compute_type=ct,
-        d_dtype="float32" if f32_bias else dtype,
-        out_dtype=dtype,
+        activation=config.activation,
+        with_aux=with_aux,
+        compute_type=config.compute_type,
+        d_dtype=config.d_dtype,
+        out_dtype=x2.dtype,
     )
-    y = outs[0].reshape(*lead, n)
-    if not return_aux:
-        return y
-    aux = outs[1].reshape(*lead, outs[1].shape[-1]) if act is not None else None
-    return y, aux
+    return outs[0], (outs[1] if len(outs) > 1 else None)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _dense(x2, kernel, bias, config: _Config):
+    """(m, k) x2 -> (y, aux or None), differentiable in x2, kernel and bias."""
+    return _forward(x2, kernel, bias, config, with_aux=config.return_aux)
+
+
+def _dense_fwd(x2, kernel, bias, config: _Config):
+    # The backward needs the aux (never z itself for ReLU: one bit per output), so the
+    # forward always asks the epilog for it when there is an activation.
+    y, aux = _forward(x2, kernel, bias, config, with_aux=True)
+    return (y, aux if config.return_aux else None), (x2, kernel, aux)
+
+
+def _dense_bwd(config: _Config, residuals, cotangents):
+    x2, kernel, aux = residuals
+    dy, daux = cotangents
+    dz_extra = None
+    if config.activation is Activation.GELU and config.return_aux:
+        dz_extra = daux[:, : kernel.shape[1]]  # the GELU aux is z: its cotangent adds to dz
+    dx, dkernel, dbias = _reference.dense_vjp(
+        x2, kernel, aux, dy, dz_extra, config.activation, config.compute_type, config.bias_dtype
+    )
+    return dx, dkernel, dbias
+
+
+_dense.defvjp(_dense_fwd, _dense_bwd)

@@ -1,0 +1,302 @@
+"""Gradients of fused_dense: against a float64 reference VJP, check_grads, transformations.
+
+On the CPU the forward is the pure-JAX path; on a GPU the same tests run the cuBLASLt
+forward (whose aux feeds the backward), so the whole file doubles as a GPU test.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+from jax_epilog import fused_dense, unpack_relu_mask
+
+ACTIVATIONS = [None, "relu", "gelu"]
+DTYPES = ["float16", "bfloat16", "float32", "float64"]
+# (x shape, N): M = 1, N = 1, K = 1, leading dims, sizes that are no multiple of 8.
+SHAPES = [((1, 1), 1), ((1, 40), 1), ((17, 1), 9), ((3, 5), 7), ((33, 129), 65), ((2, 3, 5, 17), 37)]
+SHAPE_IDS = ["1x1-N1", "1x40-N1", "17x1-N9", "3x5-N7", "33x129-N65", "2x3x5x17-N37"]
+# Largest error relative to the gradient's largest entry. The half dtypes round dz to the
+# operand dtype before the backward GEMMs (as XLA's own autodiff of a bf16 graph does).
+GRAD_TOL = {"float16": 6e-3, "bfloat16": 5e-2, "float32": 2e-5, "float64": 1e-12}
+
+
+def _np_dtype(name):
+    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+
+
+def _act(name):
+    if name is None:
+        return lambda z: z
+    if name == "relu":
+        return jax.nn.relu
+    return functools.partial(jax.nn.gelu, approximate=True)
+
+
+def make_inputs(rng, x_shape, n, dtype, *, bias=True, bias_dtype=None, activation=None, margin=1e-4):
+    """Random inputs cast to ``dtype``; for ReLU, resampled until no pre-activation lies
+    within ``margin`` of the kink, where rounding could flip the derivative."""
+    k = x_shape[-1]
+    for _ in range(100):
+        x = rng.standard_normal(x_shape).astype(_np_dtype(dtype))
+        w = (rng.standard_normal((k, n)) / np.sqrt(max(k, 1))).astype(_np_dtype(dtype))
+        b = rng.standard_normal(n).astype(_np_dtype(bias_dtype or dtype)) if bias else None
+        z = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+        if b is not None:
+            z = z + np.asarray(b, np.float64)
+        if activation != "relu" or z.size == 0 or np.abs(z).min() > margin:
+            return x, w, b
+    raise AssertionError("could not draw inputs clear of the ReLU kink")
+
+
+def op_relu_mask(x, w, b):
+    """The ReLU mask the op's own forward saved (bits of its aux), as float64."""
+    n = w.shape[1]
+    _, aux = fused_dense(x, w, b, activation="relu", return_aux=True)
+    return np.asarray(unpack_relu_mask(aux, n), np.float64)
+
+
+def reference_vjp(x, w, b, activation, dy, relu_mask=None):
+    """Gradients of act(x @ w + b) in float64, from the *cast* inputs.
+
+    ``relu_mask`` replaces ReLU's derivative (z > 0 in float64) by the op's own saved mask:
+    a GPU epilog may round z before taking its sign, so elements within rounding of the
+    kink can legitimately differ; the mask's bits are checked against z in test_dense.py.
+    """
+    args = [jnp.asarray(np.asarray(a, np.float64)) for a in (x, w) + (() if b is None else (b,))]
+
+    def f(x, w, *b):
+        z = x @ w + (b[0] if b else 0.0)
+        if relu_mask is not None:
+            return z * relu_mask + jax.lax.stop_gradient(jax.nn.relu(z) - z * relu_mask)
+        return _act(activation)(z)
+
+    _, vjp = jax.vjp(f, *args)
+    return vjp(jnp.asarray(np.asarray(dy, np.float64)))
+
+
+def grad_scales(x, w, dy):
+    """The natural size of each gradient's entries: the same products with every term made
+    positive and act' taken as 1. Relative to these, rounding errors are bounded by the
+    dtype's epsilon however much the true gradient cancels (GELU' crosses zero)."""
+    x, w, dy = (np.abs(np.asarray(a, np.float64)) for a in (x, w, dy))
+    x2, dy2 = x.reshape(-1, w.shape[0]), dy.reshape(-1, w.shape[1])
+    return (dy2 @ w.T).max(initial=0), (x2.T @ dy2).max(initial=0), dy2.sum(axis=0).max(initial=0)
+
+
+def assert_grad_close(got, want, dtype, what, scale=None):
+    got = np.asarray(got, np.float64)
+    want = np.asarray(want, np.float64)
+    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
+    if want.size == 0:
+        return
+    scale = max(np.abs(want).max() if scale is None else scale, 1e-30)
+    err = np.abs(got - want).max() / scale
+    assert err <= GRAD_TOL[dtype], f"{what} ({dtype}): max error {err:.3g} of the scale {scale:.3g} > {GRAD_TOL[dtype]}"
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("activation", ACTIVATIONS, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_grads_match_float64_reference_vjp(rng, dtype, activation, with_bias, shape):
+    x_shape, n = shape
+    x, w, b = make_inputs(rng, x_shape, n, dtype, bias=with_bias, activation=activation)
+    dy = rng.standard_normal((*x_shape[:-1], n)).astype(_np_dtype(dtype))
+    args = (x, w) if b is None else (x, w, b)
+
+    def f(x, w, *b):
+        return fused_dense(x, w, b[0] if b else None, activation=activation)
+
+    y, vjp = jax.vjp(f, *map(jnp.asarray, args))
+    grads = vjp(jnp.asarray(dy))
+    mask = op_relu_mask(x, w, b) if activation == "relu" else None
+    want = reference_vjp(x, w, b, activation, dy, relu_mask=mask)
+    for name, got, ref, primal, scale in zip(("dx", "dkernel", "dbias"), grads, want, args, grad_scales(x, w, dy)):
+        assert got.dtype == primal.dtype, f"{name} dtype {got.dtype} != primal dtype {primal.dtype}"
+        assert_grad_close(got, ref, dtype, name, scale)
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_operands_with_float32_bias_give_float32_dbias(rng, dtype, activation):
+    x, w, b = make_inputs(rng, (33, 129), 65, dtype, bias_dtype="float32", activation=activation)
+    dy = rng.standard_normal((33, 65)).astype(_np_dtype(dtype))
+    _, vjp = jax.vjp(lambda x, w, b: fused_dense(x, w, b, activation=activation), x, w, b)
+    dx, dw, db = vjp(jnp.asarray(dy))
+    assert (dx.dtype, dw.dtype, db.dtype) == (np.dtype(_np_dtype(dtype)),) * 2 + (np.dtype(np.float32),)
+    mask = op_relu_mask(x, w, b) if activation == "relu" else None
+    want = reference_vjp(x, w, b, activation, dy, relu_mask=mask)
+    for name, got, ref, scale in zip(("dx", "dkernel", "dbias"), (dx, dw, db), want, grad_scales(x, w, dy)):
+        assert_grad_close(got, ref, dtype, name, scale)
+
+
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("activation", ACTIVATIONS, ids=str)
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_check_grads_reverse_mode(rng, dtype, activation, with_bias):
+    # Finite differences step 1e-3 (float64) or ~1e-2 (float32): keep ReLU's kink further away.
+    x, w, b = make_inputs(rng, (4, 9), 6, dtype, bias=with_bias, activation=activation, margin=0.05)
+    args = (x, w) if b is None else (x, w, b)
+
+    def f(x, w, *b):
+        return fused_dense(x, w, b[0] if b else None, activation=activation)
+
+    tol = 2e-2 if dtype == "float32" else 1e-5
+    check_grads(f, tuple(map(jnp.asarray, args)), order=1, modes=("rev",), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_gelu_aux_is_differentiable_and_relu_mask_is_not(rng, dtype):
+    x, w, b = make_inputs(rng, (2, 5, 13), 11, dtype)
+
+    def with_aux(x, w, b):
+        y, aux = fused_dense(x, w, b, activation="gelu", return_aux=True)
+        return y.sum() + (aux[..., :11] ** 2).sum()
+
+    def plain(x, w, b):
+        z = x @ w + b
+        return jax.nn.gelu(z, approximate=True).sum() + (z**2).sum()
+
+    got = jax.grad(with_aux, argnums=(0, 1, 2))(x, w, b)
+    want = jax.grad(plain, argnums=(0, 1, 2))(*(jnp.asarray(np.asarray(a, np.float64)) for a in (x, w, b)))
+    for name, g, r in zip(("dx", "dkernel", "dbias"), got, want):
+        assert_grad_close(g, r, dtype, name)
+    # The ReLU mask is integer data: gradients flow through y only.
+    relu_loss = lambda x: fused_dense(x, w, b, activation="relu", return_aux=True)[0].sum()  # noqa: E731
+    dx = jax.grad(relu_loss)(x)
+    assert_grad_close(dx, reference_vjp(x, w, b, "relu", np.ones((2, 5, 11)))[0], dtype, "dx")
+
+
+def test_transformations_agree(rng):
+    x, w, b = (jnp.asarray(a) for a in make_inputs(rng, (8, 12), 10, "float32", activation="relu"))
+
+    def loss(x, w, b):
+        return jnp.sum(fused_dense(x, w, b, activation="relu") ** 2)
+
+    base = jax.grad(loss, argnums=(0, 1, 2))(x, w, b)
+    variants = {
+        "jit(grad)": jax.jit(jax.grad(loss, argnums=(0, 1, 2))),
+        "value_and_grad": lambda *a: jax.value_and_grad(loss, argnums=(0, 1, 2))(*a)[1],
+        "nested jit": jax.jit(jax.grad(jax.jit(loss), argnums=(0, 1, 2))),
+        "remat default": jax.grad(jax.checkpoint(loss), argnums=(0, 1, 2)),
+        "remat nothing saveable": jax.grad(
+            jax.checkpoint(loss, policy=jax.checkpoint_policies.nothing_saveable), argnums=(0, 1, 2)
+        ),
+        "remat everything saveable": jax.grad(
+            jax.checkpoint(loss, policy=jax.checkpoint_policies.everything_saveable), argnums=(0, 1, 2)
+        ),
+    }
+    for name, f in variants.items():
+        for g, g0 in zip(f(x, w, b), base):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(g0), rtol=1e-6, atol=1e-6, err_msg=name)
+
+
+def test_vmap_of_grad_gives_per_example_gradients(rng):
+    x, w, b = (jnp.asarray(a) for a in make_inputs(rng, (6, 12), 10, "float32", activation="gelu"))
+    per_example = jax.vmap(jax.grad(lambda x, w, b: fused_dense(x, w, b, activation="gelu").sum(), argnums=1),
+                           in_axes=(0, None, None))(x, w, b)
+    for i in range(6):
+        one = jax.grad(lambda w: fused_dense(x[i], w, b, activation="gelu").sum())(w)
+        # Batched and unbatched float32 arithmetic round differently: ~1e-6 apart.
+        np.testing.assert_allclose(np.asarray(per_example[i]), np.asarray(one), rtol=1e-4, atol=1e-5)
+
+
+def test_grad_of_vmapped_ensemble(rng):
+    members = 3
+    x = jnp.asarray(rng.standard_normal((5, 12)), jnp.float32)
+    ws = jnp.asarray(rng.standard_normal((members, 12, 7)) / 4, jnp.float32)
+    bs = jnp.asarray(rng.standard_normal((members, 7)), jnp.float32)
+
+    def loss(ws, bs):
+        return jnp.sum(jax.vmap(lambda w, b: fused_dense(x, w, b, activation="gelu"))(ws, bs) ** 2)
+
+    def plain(ws, bs):
+        return jnp.sum(jax.nn.gelu(jnp.einsum("mk,ekn->emn", x, ws) + bs[:, None], approximate=True) ** 2)
+
+    for g, r in zip(jax.grad(loss, argnums=(0, 1))(ws, bs), jax.grad(plain, argnums=(0, 1))(ws, bs)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=2e-4, atol=2e-5)
+
+
+def test_forward_mode_is_refused_clearly(rng):
+    x, w, b = (jnp.asarray(a) for a in make_inputs(rng, (3, 5), 7, "float32"))
+    with pytest.raises(TypeError, match="forward-mode"):
+        jax.jvp(lambda x: fused_dense(x, w, b, activation="relu"), (x,), (x,))
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS, ids=str)
+def test_empty_dimensions_have_defined_gradients(rng, activation):
+    w = jnp.asarray(rng.standard_normal((5, 7)), jnp.float32)
+    b = jnp.asarray(rng.standard_normal(7), jnp.float32)
+    dx, dw, db = jax.grad(lambda x, w, b: fused_dense(x, w, b, activation=activation).sum(), argnums=(0, 1, 2))(
+        jnp.zeros((0, 5), jnp.float32), w, b
+    )
+    assert dx.shape == (0, 5)
+    np.testing.assert_array_equal(np.asarray(dw), 0)
+    np.testing.assert_array_equal(np.asarray(db), 0)
+    # K = 0: y = act(bias) in every row, so dbias = m * act'(bias).
+    xk = jnp.zeros((4, 0), jnp.float32)
+    db = jax.grad(lambda b: fused_dense(xk, jnp.zeros((0, 7), jnp.float32), b, activation=activation).sum())(b)
+    want = 4 * jax.vmap(jax.grad(_act(activation)))(b)
+    np.testing.assert_allclose(np.asarray(db), np.asarray(want), rtol=1e-6)
+
+
+@pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")  # the CPU backend cannot donate
+def test_training_step_with_donated_parameters(rng):
+    x = jnp.asarray(rng.standard_normal((16, 12)), jnp.float32)
+    params = {
+        "w": jnp.asarray(rng.standard_normal((12, 8)) / 4, jnp.float32),
+        "b": jnp.zeros(8, jnp.float32) + 0.1,
+    }
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def step(params, x):
+        loss, grads = jax.value_and_grad(lambda p: jnp.mean(fused_dense(x, p["w"], p["b"], activation="gelu") ** 2))(params)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), loss
+
+    losses = []
+    for _ in range(5):
+        params, loss = step(params, x)
+        losses.append(float(loss))
+    assert losses[-1] < losses[0]
+
+
+def test_mlp_training_curve_matches_plain_jnp(rng):
+    """A 4-layer ReLU MLP trained 50 steps: the same loss curve as the same model in jnp."""
+    sizes = [20, 33, 17, 9, 1]
+    x = jnp.asarray(rng.standard_normal((64, 20)), jnp.float32)
+    target = jnp.sin(x[:, :1] * 2) + 0.1 * x[:, 1:2]
+    params = [
+        (jnp.asarray(rng.standard_normal((i, o)) / np.sqrt(i), jnp.float32), jnp.full((o,), 0.05, jnp.float32))
+        for i, o in zip(sizes[:-1], sizes[1:])
+    ]
+
+    def mlp(params, x, dense):
+        for i, (w, b) in enumerate(params):
+            x = dense(x, w, b, None if i == len(params) - 1 else "relu")
+        return x
+
+    fused = lambda x, w, b, act: fused_dense(x, w, b, activation=act)  # noqa: E731
+    plain = lambda x, w, b, act: (jax.nn.relu if act else (lambda z: z))(x @ w + b)  # noqa: E731
+
+    def train(dense):
+        @jax.jit
+        def step(params):
+            loss, grads = jax.value_and_grad(lambda p: jnp.mean((mlp(p, x, dense) - target) ** 2))(params)
+            return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), loss
+
+        p, losses = params, []
+        for _ in range(50):
+            p, loss = step(p)
+            losses.append(float(loss))
+        return np.array(losses)
+
+    fused_losses, plain_losses = train(fused), train(plain)
+    assert fused_losses[-1] < 0.9 * fused_losses[0]  # it learns; the curve check is the point
+    np.testing.assert_allclose(fused_losses, plain_losses, rtol=2e-3)

@@ -2,7 +2,8 @@
 
 Numerics follow cuBLASLt's epilog: the product is accumulated in the compute type,
 bias and activation are applied in the epilog's precision (float32 for 32-bit compute
-types) and the result is rounded once to the output dtype. The aux uses exactly the
+types) and the result is rounded once to the output dtype (cuBLASLt's epilog on a GPU may
+round slightly more; see ``fused_dense``). The aux uses exactly the
 padded layout the GPU kernel writes (see ``_epilogs.aux_padded_width``).
 """
 

@@ -1,0 +1,199 @@
+"""Flax Linen layer: ``FusedDense``, ``flax.linen.Dense`` with a fused activation.
+
+``FusedDense(features, activation="gelu")`` computes ``act(x @ kernel + bias)`` with
+:func:`jax_epilog.fused_dense`: one cuBLASLt kernel on an NVIDIA GPU, plain JAX elsewhere.
+With ``activation=None`` it is ``nn.Dense``; with ``activation="relu"``/``"gelu"`` it is
+``jax.nn.relu(nn.Dense(...)(x))`` / ``jax.nn.gelu(nn.Dense(...)(x), approximate=True)``
+(cuBLASLt's GELU is the tanh approximation; there is no exact-erf GELU epilog).
+
+It is a drop-in for ``nn.Dense``:
+
+* the same fields, defaults and field order as ``nn.Dense`` (``features``, ``use_bias``,
+  ``dtype``, ``param_dtype``, ``precision``, ``kernel_init``, ``bias_init``,
+  ``promote_dtype``), then ``activation`` and ``compute_type``;
+* the same parameters: ``"kernel"`` of shape (in, out) and ``"bias"`` of shape (out,), in
+  ``param_dtype``, drawn with the same initializers in the same order, so with the same
+  RNG key and the same module path ``init`` gives bit-identical parameters, and
+  parameters trained with either layer load into the other unchanged;
+* the same dtype promotion: inputs, kernel and bias are promoted together by
+  ``promote_dtype(..., dtype=self.dtype)`` (``flax.linen.dtypes.promote_dtype`` by default),
+  and the output has that dtype.
+
+Differences from ``nn.Dense``:
+
+* **Numerics.** The product is accumulated in float32 (float64 for float64 inputs); the bias
+  and activation are applied to that accumulator and the result is rounded to the compute
+  dtype (once on the CPU path; see :func:`jax_epilog.fused_dense` for the GPU epilog's own
+  rounding). ``nn.Dense`` + activation with a bfloat16/float16 ``dtype`` rounds after
+  the matmul, after the bias add and after the activation, so the two differ by about one
+  unit in the last place of the output dtype. In float32 they agree to rounding.
+* **precision.** ``fused_dense`` takes a cuBLAS compute type, not a ``jax.lax.Precision``.
+  ``precision=None`` or ``DEFAULT`` uses ``compute_type`` (default: ``COMPUTE_32F``, full
+  float32 accumulation, no TF32; ``COMPUTE_64F`` for float64; note that on Ampere and newer
+  GPUs ``nn.Dense`` at DEFAULT precision may use TF32: pass
+  ``compute_type="COMPUTE_32F_FAST_TF32"`` for that speed). ``HIGH`` and ``HIGHEST`` (also as
+  strings, or as a pair of equal values) ask for at least float32-accurate products, which
+  the default compute types give; combined with a ``compute_type`` below them they raise
+  ``ValueError`` when the layer is called (HIGHEST: any ``COMPUTE_32F_FAST_*`` or
+  ``COMPUTE_16F*``; HIGH, which JAX also spells ``"tensorfloat32"``, admits
+  ``COMPUTE_32F_FAST_TF32`` but not the 16-bit ones). Anything else (a pair of different precisions, a ``jax.lax.DotAlgorithm`` or
+  ``DotAlgorithmPreset``) raises ``ValueError`` too. The global
+  ``jax_default_matmul_precision`` setting is not consulted.
+* **dot_general / dot_general_cls** are not fields: the GEMM *is* the fused kernel, so a
+  custom dot_general (quantized matmuls, AQT, ...) cannot be honoured. Passing either raises
+  ``TypeError`` (an unknown field).
+* **Forward-mode autodiff** (``jax.jvp``, ``jax.jacfwd``, ``jax.hessian``) raises:
+  ``fused_dense`` is a ``jax.custom_vjp``. Reverse mode (``jax.grad``) works in all
+  arguments, as do ``jax.jit``, ``jax.vmap``, ``nn.scan``, ``nn.vmap`` and ``nn.remat``.
+* **Automatic names.** Linen names an unnamed submodule after its class, so in a
+  ``@nn.compact`` parent ``FusedDense`` layers are ``FusedDense_0, ...`` where ``nn.Dense``
+  layers are ``Dense_0, ...`` (and draw different initial values, since Linen folds the
+  name into the RNG). Give the layers explicit names (``FusedDense(..., name="fc1")`` or
+  attributes assigned in ``setup``) to make parameter trees interchangeable.
+* The output is in the promoted dtype; a ``compute_type`` that cannot run that dtype raises
+  ``ValueError`` at call time (see :func:`jax_epilog.fused_dense`).
+
+Example::
+
+    import flax.linen as nn
+    from jax_epilog.linen import FusedDense
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = FusedDense(256, activation="relu", name="fc1")(x)
+            return FusedDense(10, name="out")(x)
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+try:
+    import flax.linen as nn
+    from flax.linen import dtypes as _flax_dtypes
+    from flax.linen.linear import default_kernel_init as _default_kernel_init
+except ImportError as _exc:  # pragma: no cover - exercised by a subprocess test
+    raise ImportError(f"jax_epilog.linen needs Flax: pip install 'jax_epilog[flax]' ({_exc})") from _exc
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._dense import fused_dense
+from ._epilogs import Activation, ComputeType
+
+__all__ = ["FusedDense"]
+
+# Compute types below what each precision asks for. HIGH is also spelled "tensorfloat32" in
+# JAX, so it admits TF32 products, but not 16-bit ones; HIGHEST admits only full precision.
+_BELOW_HIGH = frozenset(
+    {
+        ComputeType.COMPUTE_16F,
+        ComputeType.COMPUTE_16F_PEDANTIC,
+        ComputeType.COMPUTE_32F_FAST_16F,
+        ComputeType.COMPUTE_32F_FAST_16BF,
+    }
+)
+_TOO_LOW = {
+    jax.lax.Precision.HIGH: _BELOW_HIGH,
+    jax.lax.Precision.HIGHEST: _BELOW_HIGH | {ComputeType.COMPUTE_32F_FAST_TF32},
+}
+
+
+def _precision_enum(value, owner: str) -> jax.lax.Precision:
+    if isinstance(value, jax.lax.Precision):
+        return value
+    if isinstance(value, str):
+        try:
+            return jax.lax.Precision(value)
+        except ValueError:
+            pass
+    raise ValueError(
+        f"{owner}: precision {value!r} is not supported; fused_dense takes a cuBLAS compute "
+        "type instead of a jax.lax.Precision: use precision=None (or DEFAULT, HIGH, HIGHEST) "
+        "and pick the accumulation with compute_type=..."
+    )
+
+
+def _resolve_compute_type(precision, compute_type, dtype, owner: str):
+    """The ``compute_type`` to pass to ``fused_dense`` for a layer's ``precision``.
+
+    ``dtype`` is the promoted operand dtype. Raises ValueError for a precision the fused
+    kernel cannot honour; leaves the validation of ``compute_type`` itself to fused_dense.
+    """
+    if precision is None:
+        return compute_type
+    if isinstance(precision, (tuple, list)):
+        if len(precision) != 2:
+            raise ValueError(f"{owner}: precision {precision!r} must be one value or a pair.")
+        lhs, rhs = (_precision_enum(p, owner) for p in precision)
+        if lhs != rhs:
+            raise ValueError(
+                f"{owner}: precision {precision!r} asks for different precisions for the "
+                "inputs and the kernel; the fused kernel has one compute type for both."
+            )
+        prec = lhs
+    else:
+        prec = _precision_enum(precision, owner)
+    if prec == jax.lax.Precision.DEFAULT or compute_type is None:
+        # HIGH/HIGHEST without a compute type: the default (COMPUTE_32F, or COMPUTE_64F for
+        # float64) accumulates at full precision, at least what either asks for.
+        return compute_type
+    name = compute_type if isinstance(compute_type, str) else getattr(compute_type, "name", None)
+    known = isinstance(compute_type, (str, enum.Enum)) and name in ComputeType.__members__
+    if known and ComputeType[name] in _TOO_LOW[prec]:
+        raise ValueError(
+            f"{owner}: precision={prec.name} asks for more accurate products than "
+            f"compute_type={name} gives ({name} computes at reduced precision for "
+            f"{np.dtype(dtype).name} operands); drop one of the two."
+        )
+    return compute_type
+
+
+class FusedDense(nn.Module):
+    """``act(x @ kernel + bias)`` over the last axis: ``nn.Dense`` plus a fused activation.
+
+    Attributes:
+      features: the number of output features.
+      use_bias: whether to add a bias to the output (default: True).
+      dtype: the dtype of the computation (default: inferred from inputs and params).
+      param_dtype: the dtype passed to parameter initializers (default: float32).
+      precision: None, or ``jax.lax.Precision.DEFAULT``/``HIGH``/``HIGHEST`` (see the module
+        docstring: the fused kernel's accumulation is set by ``compute_type``).
+      kernel_init: initializer for the (in, out) kernel (default: ``nn.Dense``'s, LeCun
+        normal).
+      bias_init: initializer for the bias (default: zeros).
+      promote_dtype: promotes ``(inputs, kernel, bias)`` to a common dtype (default:
+        ``flax.linen.dtypes.promote_dtype``); the results must satisfy ``fused_dense``'s
+        dtype rules (kernel in the inputs' dtype; bias in it or float32 with half inputs).
+      activation: None, ``"relu"`` or ``"gelu"`` (tanh approximation).
+      compute_type: the cuBLAS compute type (a ``jax_epilog.ComputeType`` or nvmath
+        ``MatmulComputeType`` member or its name); None for the default (``COMPUTE_32F``,
+        ``COMPUTE_64F`` for float64).
+    """
+
+    features: int
+    use_bias: bool = True
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    precision: Any = None
+    kernel_init: Any = _default_kernel_init
+    bias_init: Any = nn.initializers.zeros_init()
+    promote_dtype: Any = _flax_dtypes.promote_dtype
+    activation: str | Activation | None = None
+    compute_type: Any = None
+
+    @nn.compact
+    def __call__(self, inputs):
+        """Applies ``act(inputs @ kernel + bias)`` along the last dimension of ``inputs``."""
+        kernel = self.param(
+            "kernel", self.kernel_init, (jnp.shape(inputs)[-1], self.features), self.param_dtype
+        )
+        bias = (
+            self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
+        )
+        inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
+        compute_type = _resolve_compute_type(self.precision, self.compute_type, inputs.dtype, "FusedDense")
+        return fused_dense(inputs, kernel, bias, activation=self.activation, compute_type=compute_type)

@@ -1,0 +1,138 @@
+"""Flax NNX layer: ``FusedLinear``, ``flax.nnx.Linear`` with a fused activation.
+
+``FusedLinear(in_features, out_features, activation="gelu", rngs=rngs)`` computes
+``act(x @ kernel + bias)`` with :func:`jax_epilog.fused_dense`: one cuBLASLt kernel on an
+NVIDIA GPU, plain JAX elsewhere. With ``activation=None`` it is ``nnx.Linear``; with
+``"relu"``/``"gelu"`` it is ``jax.nn.relu(linear(x))`` / ``jax.nn.gelu(linear(x),
+approximate=True)`` (cuBLASLt's GELU is the tanh approximation).
+
+It is a drop-in for ``nnx.Linear``:
+
+* the same constructor (``in_features, out_features, *, use_bias, dtype, param_dtype,
+  precision, kernel_init, bias_init, promote_dtype, rngs, kernel_metadata, bias_metadata``),
+  plus keyword-only ``activation`` and ``compute_type``;
+* the same state: ``kernel`` (in, out) and ``bias`` (out,) as ``nnx.Param`` (``bias`` is
+  ``None`` without a bias), drawn from ``rngs.params()`` in the same order with the same
+  default initializers, so the same ``Rngs`` seed gives bit-identical parameters and
+  ``nnx.state``/``nnx.update`` (or ``nnx.to_pure_dict``/``nnx.replace_by_pure_dict``) move
+  parameters between the two layers unchanged;
+* the same attributes (``in_features``, ``out_features``, ``use_bias``, ``dtype``,
+  ``param_dtype``, ``precision``, ``promote_dtype``) and the same dtype promotion
+  (``flax.nnx.nn.dtypes.promote_dtype((inputs, kernel, bias), dtype=self.dtype)``).
+
+Not honoured (and therefore not accepted: passing one raises ``TypeError``):
+``dot_general`` (the GEMM is the fused kernel), ``preferred_element_type`` (the output is
+always in the promoted dtype; the accumulation is float32, or float64 for float64) and
+``__call__``'s ``out_sharding``. ``precision`` follows the rules of
+:mod:`jax_epilog.linen`: None/DEFAULT use ``compute_type``; HIGH/HIGHEST are met by the
+default full-precision compute types and raise ``ValueError`` at call time beside a
+``compute_type`` below them; anything else raises ``ValueError``. Forward-mode
+autodiff (``jax.jvp``) raises; ``jax.grad``, ``nnx.jit``, ``nnx.grad``, ``nnx.vmap``,
+``nnx.scan`` and ``nnx.remat`` work. Numerics differ from ``nnx.Linear`` + activation in
+half precision by about one unit in the last place (one rounding instead of three; see
+:mod:`jax_epilog.linen`).
+
+Example::
+
+    from flax import nnx
+    from jax_epilog.nnx import FusedLinear
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            self.fc1 = FusedLinear(784, 256, activation="relu", rngs=rngs)
+            self.out = FusedLinear(256, 10, rngs=rngs)
+
+        def __call__(self, x):
+            return self.out(self.fc1(x))
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Any
+
+try:
+    from flax import nnx
+    from flax.nnx.nn import dtypes as _nnx_dtypes
+    from flax.nnx.nn.linear import default_bias_init as _default_bias_init
+    from flax.nnx.nn.linear import default_kernel_init as _default_kernel_init
+except ImportError as _exc:  # pragma: no cover - exercised by a subprocess test
+    raise ImportError(f"jax_epilog.nnx needs Flax: pip install 'jax_epilog[flax]' ({_exc})") from _exc
+
+import jax.numpy as jnp
+
+from ._dense import fused_dense
+from ._epilogs import Activation
+from .linen import _resolve_compute_type
+
+__all__ = ["FusedLinear"]
+
+
+class FusedLinear(nnx.Module):
+    """``act(x @ kernel + bias)`` over the last axis: ``nnx.Linear`` plus a fused activation.
+
+    Args:
+      in_features: the number of input features.
+      out_features: the number of output features.
+      use_bias: whether to add a bias to the output (default: True).
+      dtype: the dtype of the computation (default: inferred from inputs and params).
+      param_dtype: the dtype passed to parameter initializers (default: float32).
+      precision: None, or ``jax.lax.Precision.DEFAULT``/``HIGH``/``HIGHEST`` (see the module
+        docstring).
+      kernel_init: initializer for the (in, out) kernel (default: ``nnx.Linear``'s).
+      bias_init: initializer for the bias (default: zeros).
+      promote_dtype: promotes ``(inputs, kernel, bias)`` to a common dtype (default:
+        ``flax.nnx.nn.dtypes.promote_dtype``).
+      rngs: the ``nnx.Rngs`` to draw the parameters from (``rngs.params()``).
+      kernel_metadata, bias_metadata: metadata set on the ``nnx.Param`` (e.g. sharding).
+      activation: None, ``"relu"`` or ``"gelu"`` (tanh approximation).
+      compute_type: the cuBLAS compute type (a ``jax_epilog.ComputeType`` or nvmath
+        ``MatmulComputeType`` member or its name); None for the default.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        use_bias: bool = True,
+        dtype: Any = None,
+        param_dtype: Any = jnp.float32,
+        precision: Any = None,
+        kernel_init: Any = _default_kernel_init,
+        bias_init: Any = _default_bias_init,
+        promote_dtype: Any = _nnx_dtypes.promote_dtype,
+        rngs: nnx.Rngs,
+        kernel_metadata: Any = MappingProxyType({}),
+        bias_metadata: Any = MappingProxyType({}),
+        activation: str | Activation | None = None,
+        compute_type: Any = None,
+    ):
+        kernel_key = rngs.params()
+        self.kernel = nnx.Param(
+            kernel_init(kernel_key, (in_features, out_features), param_dtype), **kernel_metadata
+        )
+        self.bias: nnx.Param | None
+        if use_bias:
+            bias_key = rngs.params()
+            self.bias = nnx.Param(bias_init(bias_key, (out_features,), param_dtype), **bias_metadata)
+        else:
+            self.bias = nnx.data(None)
+
+        self.in_features = in_features
+        self.out_features = out_features
+        self.use_bias = use_bias
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+        self.precision = precision
+        self.promote_dtype = promote_dtype
+        self.activation = activation
+        self.compute_type = compute_type
+
+    def __call__(self, inputs):
+        """Applies ``act(inputs @ kernel + bias)`` along the last dimension of ``inputs``."""
+        kernel = self.kernel[...]
+        bias = self.bias[...] if self.bias is not None else None
+        inputs, kernel, bias = self.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
+        compute_type = _resolve_compute_type(self.precision, self.compute_type, inputs.dtype, "FusedLinear")
+        return fused_dense(inputs, kernel, bias, activation=self.activation, compute_type=compute_type)

@@ -1,0 +1,80 @@
+"""Shared helpers of test_linen.py and test_nnx.py: comparing a fused layer with its Flax twin."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+ACTIVATIONS = [None, "relu", "gelu"]
+ON_GPU = jax.default_backend() == "gpu"
+# Largest error allowed, relative to the reference's largest entry (and elementwise rtol).
+# On a GPU the twin's float32 matmuls may run in TF32 (XLA's DEFAULT precision) and
+# cuBLASLt's GELU epilog uses a fast tanh (~2**-11 relative, tolerances.epilog_slack).
+TOL = {"float64": 1e-12, "float32": 5e-3 if ON_GPU else 1e-5, "float16": 4e-3, "bfloat16": 2e-2}
+# Gradients of the half dtypes: the twin rounds dz and the backward GEMMs' results to the
+# operand dtype; fused_dense accumulates in float32 and rounds once.
+GRAD_TOL = {"float64": 1e-12, "float32": 5e-3 if ON_GPU else 2e-5, "float16": 8e-3, "bfloat16": 5e-2}
+
+
+def act_fn(name):
+    """The activation a fused layer applies, as the twin applies it after the matmul."""
+    if name is None:
+        return lambda z: z
+    if name == "relu":
+        return jax.nn.relu
+    return functools.partial(jax.nn.gelu, approximate=True)
+
+
+def np_dtype(dtype) -> np.dtype:
+    return np.dtype(ml_dtypes.bfloat16) if dtype in ("bfloat16", jnp.bfloat16) else np.dtype(dtype)
+
+
+def assert_near(actual, expected, tol, what=""):
+    """``|actual - expected| <= tol * (max|expected| + |expected|)`` elementwise."""
+    actual = np.asarray(actual, np.float64)
+    expected = np.asarray(expected, np.float64)
+    assert actual.shape == expected.shape, f"{what}: {actual.shape} != {expected.shape}"
+    scale = float(np.max(np.abs(expected), initial=0.0))
+    np.testing.assert_allclose(actual, expected, rtol=tol, atol=tol * max(scale, 1e-30), err_msg=what)
+
+
+def grad_tol(compute_dtype, grad) -> float:
+    """A gradient is computed at the compute dtype, then rounded to its own dtype."""
+    return max(GRAD_TOL[np.dtype(compute_dtype).name], GRAD_TOL[np.dtype(grad.dtype).name])
+
+
+def assert_same_tree(a, b, *, values=True):
+    """Same structure (names), shapes and dtypes; with ``values``, bit-identical leaves."""
+    assert jax.tree.structure(a) == jax.tree.structure(b), (jax.tree.structure(a), jax.tree.structure(b))
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b), strict=True):
+        name = jax.tree_util.keystr(path)
+        assert x.shape == y.shape, name
+        assert x.dtype == y.dtype, name
+        if values:
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=name)
+
+
+def draw_x(rng, shape, kernel, bias, dtype, compute_dtype=None, margin=0.05):
+    """Standard-normal inputs in ``dtype``, rows redrawn until no pre-activation (in float64
+    from the operands cast to ``compute_dtype``) lies within ``margin`` of ReLU's kink, where
+    either layer's rounding could flip the derivative."""
+    compute_dtype = compute_dtype or dtype
+    w = np.asarray(jnp.asarray(kernel, compute_dtype), np.float64)
+    b = 0.0 if bias is None else np.asarray(jnp.asarray(bias, compute_dtype), np.float64)
+    x = rng.standard_normal(shape).astype(np_dtype(dtype)).reshape(-1, shape[-1])
+    for _ in range(200):
+        z = np.asarray(jnp.asarray(x, compute_dtype), np.float64) @ w + b
+        bad = (np.abs(z) < margin).any(axis=-1)
+        if not bad.any():
+            return x.reshape(shape)
+        x[bad] = rng.standard_normal((int(bad.sum()), shape[-1])).astype(x.dtype)
+    raise AssertionError("could not draw inputs clear of the ReLU kink")
+
+
+def perturb(rng, tree):
+    """Add standard-normal noise to every leaf (so that e.g. a zero-initialized bias matters)."""
+    return jax.tree.map(lambda p: p + jnp.asarray(rng.standard_normal(p.shape), p.dtype), tree)

@@ -43,7 +43,9 @@ def main(argv=None) -> None:
     w = jnp.asarray(rng.standard_normal((784, 100)) / 28, jnp.float16)
     b = jnp.asarray(rng.standard_normal(100), jnp.float32)
 
-    fused = jax.jit(partial(fused_dense, activation=args.activation, compute_type="COMPUTE_32F"))
+    fused = jax.jit(
+        partial(fused_dense, activation=args.activation, compute_type="COMPUTE_32F", implementation="cublaslt")
+    )
     act = jax.nn.relu if args.activation == "relu" else partial(jax.nn.gelu, approximate=True)
     unfused = jax.jit(lambda x, w, b: act(jnp.dot(x, w, preferred_element_type=jnp.float32) + b).astype(x.dtype))
 

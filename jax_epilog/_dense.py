@@ -19,7 +19,7 @@ from ._epilogs import (
     default_compute_type,
     valid_compute_types,
 )
-from ._primitive import fused_matmul
+from ._primitive import fused_matmul, fused_weight_grad
 
 __all__ = ["fused_dense"]
 
@@ -78,6 +78,7 @@ def fused_dense(
     activation: str | Activation | None = None,
     compute_type=None,
     return_aux: bool = False,
+    implementation: str = "auto",
 ):
     """``act(x @ kernel + bias)`` as one cuBLASLt kernel on NVIDIA GPUs.
 
@@ -96,6 +97,19 @@ def fused_dense(
         for ReLU a uint8 bit-mask of shape (..., round_up(N, 128) // 8) where bit ``j % 8``
         of byte ``j // 8`` is ``z[..., j] > 0``; for GELU the pre-activation ``z`` of shape
         (..., round_up(N, 8)); None without activation. Padding contents are unspecified.
+      implementation: ``"auto"`` (default), ``"cublaslt"`` or ``"xla"``.
+        ``"cublaslt"``: the fused cuBLASLt kernel on a GPU, and the backward below.
+        ``"xla"``: the plain expression ``act(x @ kernel + bias)``, compiled and
+        differentiated by XLA as if jax_epilog were not there (half dtypes round after
+        each step, as XLA does; ``compute_type`` may only choose TF32 or full float32).
+        ``"auto"``: whichever measured faster on the H200 (benchmarks/README.md):
+        cuBLASLt for the forward of large GELU layers (M >= 1024 rows and M*N*K >= 2**33)
+        and for anything the XLA expression cannot reproduce (``return_aux=True``, 16-bit
+        compute types); XLA's own expression and autodiff otherwise (XLA already fuses
+        bias + ReLU into its GEMM), and always for the backward pass, where XLA's GEMMs
+        plus a separate reduction beat the bias-gradient epilog. On a CPU everything
+        runs XLA (``"cublaslt"``: the reference math below, with the GPU kernel's aux
+        layout).
 
     Returns:
       ``y`` of shape (..., N) in ``x``'s dtype, or ``(y, aux)`` with ``return_aux=True``.
@@ -114,11 +128,14 @@ def fused_dense(
     Raises TypeError/ValueError at trace time for anything else it cannot compute.
 
     Differentiation: reverse mode (``jax.grad``, ``jax.vjp``) in ``x``, ``kernel`` and
-    ``bias``, each gradient in its primal's dtype. The forward saves only ``x``, ``kernel``
+    ``bias``, each gradient in its primal's dtype. With ``"cublaslt"`` the forward saves only ``x``, ``kernel``
     and the aux (one bit per output for ReLU); the backward forms ``dz = dy * act'(z)``
-    from it (ReLU's derivative at ``z == 0`` is 0, as for ``jax.nn.relu``) and runs its
-    GEMMs with XLA. With ``return_aux=True`` the GELU aux is differentiable (it is ``z``);
-    the ReLU mask is not. Forward mode (``jax.jvp``) is not supported and raises.
+    from it (ReLU's derivative at ``z == 0`` is 0, as for ``jax.nn.relu``); with a bias,
+    the kernel and bias gradients come from one cuBLASLt GEMM whose epilog reduces dz
+    (BGRADA), and ``dx = dz @ kernel.T`` is XLA's GEMM. With ``return_aux=True`` the GELU
+    aux is differentiable (it is ``z``); the ReLU mask is not. Forward mode (``jax.jvp``)
+    of the fused op is not supported and raises; where ``"xla"`` or ``"auto"`` run XLA's
+    own expression it works as for any jnp code.
     """
     _check_array(x, "x")
     _check_array(kernel, "kernel")
@@ -157,6 +174,10 @@ def fused_dense(
                 f"fused_dense: bias dtype {b_dtype} does not fit {dtype} operands; allowed: {allowed}."
             )
     ct = _compute_type(compute_type, dtype, f32_bias)
+    impl = _implementation(implementation, ct, return_aux)
+    m = math.prod(x.shape[:-1])
+    if impl == "auto":
+        impl = "cublaslt" if return_aux or ct not in _XLA_COMPUTE_TYPES else None
 
     config = _Config(
         activation=act,
@@ -166,11 +187,76 @@ def fused_dense(
         return_aux=return_aux,
     )
     lead = x.shape[:-1]
-    y, aux = _dense(x.reshape(math.prod(lead), k), kernel, bias, config)
+    x2 = x.reshape(m, k)
+    if impl == "xla" or (impl is None and not _auto_fuses(act, m, n, k)):
+        return _plain(x2, kernel, bias, config).reshape(*lead, n)
+    if impl is None:  # "auto" on a large layer: fused forward, XLA's backward
+        return _fused_forward_xla_backward(x2, kernel, bias, config).reshape(*lead, n)
+    y, aux = _dense(x2, kernel, bias, config)
     y = y.reshape(*lead, n)
     if not return_aux:
         return y
     return y, (None if aux is None else aux.reshape(*lead, aux.shape[-1]))
+
+
+_IMPLEMENTATIONS = ("auto", "cublaslt", "xla")
+# The compute types XLA's plain expression reproduces (with Precision.HIGHEST / DEFAULT).
+_XLA_COMPUTE_TYPES = (
+    ComputeType.COMPUTE_32F,
+    ComputeType.COMPUTE_32F_PEDANTIC,
+    ComputeType.COMPUTE_32F_FAST_TF32,
+    ComputeType.COMPUTE_64F,
+    ComputeType.COMPUTE_64F_PEDANTIC,
+)
+
+
+def _implementation(value, ct: ComputeType, return_aux: bool) -> str:
+    if value not in _IMPLEMENTATIONS:
+        raise ValueError(f"fused_dense: unknown implementation {value!r}; allowed: {_IMPLEMENTATIONS}.")
+    if value == "xla" and return_aux:
+        raise ValueError(
+            "fused_dense: return_aux=True needs the epilog's aux, which implementation='xla' does "
+            "not compute; allowed with return_aux: ('auto', 'cublaslt')."
+        )
+    if value == "xla" and ct not in _XLA_COMPUTE_TYPES:
+        raise ValueError(
+            f"fused_dense: implementation='xla' cannot accumulate as compute_type {ct.name}; "
+            f"allowed: {[c.name for c in _XLA_COMPUTE_TYPES]} (or implementation='cublaslt')."
+        )
+    return value
+
+
+def _auto_fuses(activation: Activation | None, m: int, n: int, k: int) -> bool:
+    """The "auto" rule for a forward pass (benchmarks/README.md, H200, bf16, autotuned):
+    GELU on a large layer, where XLA leaves the GELU unfused and the fused kernel measured
+    1.05-1.32x XLA. Not ReLU or no activation: XLA fuses bias + ReLU into its own cuBLASLt
+    call and the fused kernel measured 0.96-1.01x. Not small layers (fewer than 1024 rows or
+    M*N*K < 2**33): there the fused call's host cost (JAX dispatch plus our Python FFI
+    handler, ~23 µs) is not hidden by the GPU time (0.70-0.84x)."""
+    return activation is Activation.GELU and m >= 1024 and m * n * k >= 2**33
+
+
+def _plain(x2, kernel, bias, config: _Config):
+    tf32 = config.compute_type is ComputeType.COMPUTE_32F_FAST_TF32
+    return _reference.plain(x2, kernel, bias, config.activation, tf32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _fused_forward_xla_backward(x2, kernel, bias, config: _Config):
+    """The fused kernel when only the value is needed; under reverse-mode differentiation
+    the plain expression and XLA's own autodiff (measured faster for fwd+bwd)."""
+    return _forward(x2, kernel, bias, config, with_aux=False)[0]
+
+
+def _fxb_fwd(x2, kernel, bias, config: _Config):
+    return jax.vjp(lambda x2, kernel, bias: _plain(x2, kernel, bias, config), x2, kernel, bias)
+
+
+def _fxb_bwd(config: _Config, vjp, dy):
+    return vjp(dy)
+
+
+_fused_forward_xla_backward.defvjp(_fxb_fwd, _fxb_bwd)
 
 
 class _Config(NamedTuple):
@@ -213,13 +299,18 @@ def _dense_fwd(x2, kernel, bias, config: _Config):
 def _dense_bwd(config: _Config, residuals, cotangents):
     x2, kernel, aux = residuals
     dy, daux = cotangents
+    ct = config.compute_type
     dz_extra = None
     if config.activation is Activation.GELU and config.return_aux:
         dz_extra = daux[:, : kernel.shape[1]]  # the GELU aux is z: its cotangent adds to dz
-    dx, dkernel, dbias = _reference.dense_vjp(
-        x2, kernel, aux, dy, dz_extra, config.activation, config.compute_type, config.bias_dtype
-    )
-    return dx, dkernel, dbias
+    dz = _reference.output_grad(aux, dy, dz_extra, config.activation, ct, x2.dtype)
+    dx = _reference.input_grad(dz, kernel, ct)  # XLA's GEMM
+    if config.bias_dtype is None:  # no bias: a plain GEMM, no bias-gradient epilog
+        dkernel, dbias = _reference.weight_grad(x2, dz, ct, kernel.dtype, with_bias=False)
+    else:  # one cuBLASLt GEMM writes both (in float32 when the bias is float32)
+        dkernel, dbias = fused_weight_grad(x2, dz, compute_type=ct, d_dtype=config.d_dtype)
+        dbias = dbias.astype(config.bias_dtype)
+    return dx, dkernel.astype(kernel.dtype), dbias
 
 
 _dense.defvjp(_dense_fwd, _dense_bwd)

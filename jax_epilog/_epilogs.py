@@ -126,8 +126,14 @@ def aux_dtype(activation: Activation, epilog_dtype: np.dtype) -> np.dtype:
 class EpilogSpec(NamedTuple):
     """Everything that fixes one cuBLASLt problem, in the GPU's column-major terms.
 
-    D[n, m] = act(A[n, k] @ B[k, m] + bias[n]) with A = kernel (row-major (k, n)) and
-    B = x (row-major (m, k)): no transposes, and the bias runs along D's rows.
+    ``m``, ``n``, ``k`` are the layer's sizes: x is (m, k), kernel (k, n). Two problems:
+
+    * ``"forward"``: D[n, m] = act(A[n, k] @ B[k, m] + bias[n]) with A = kernel (row-major
+      (k, n)) and B = x (row-major (m, k)): no transposes, and the bias runs along D's rows.
+    * ``"wgrad"``: D[n, k] = A[n, m] @ B[k, m]^T with A = dz (row-major (m, n)) and B = x,
+      so D is the row-major (k, n) kernel gradient; with the ``BGRADA`` epilog the same
+      kernel also writes dbias[n] = sum_m A[n, m] (A reduced over the GEMM's inner
+      dimension) into the bias pointer, in D's dtype.
     """
 
     m: int
@@ -135,9 +141,10 @@ class EpilogSpec(NamedTuple):
     k: int
     epilog: str  # cublasLtEpilogue_t name, e.g. "GELU_AUX_BIAS"
     compute_type: str  # ComputeType name
-    ab_dtype: str  # dtype of x and kernel
-    bias_dtype: str | None  # None without bias
+    ab_dtype: str  # dtype of x and kernel (of x and dz for "wgrad")
+    bias_dtype: str | None  # None without bias (for "wgrad": the dbias output's dtype)
     d_dtype: str  # dtype of D (and of the GELU aux)
+    problem: str = "forward"  # or "wgrad"
 
     @property
     def has_aux(self) -> bool:

@@ -78,24 +78,24 @@ def spec_key(spec: EpilogSpec) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
-def call(x: jax.Array, kernel: jax.Array, bias: jax.Array | None, spec: EpilogSpec, aux_shape):
-    """Emit the custom call: returns (D, aux or None). x is (m, k), kernel (k, n)."""
+def call(operands: tuple[jax.Array, ...], results: list[jax.ShapeDtypeStruct], spec: EpilogSpec):
+    """Emit the custom call for ``spec``; returns the list of results.
+
+    Operands and results by position: forward (x, kernel[, bias]) -> (D[, aux]);
+    wgrad (x, dz) -> (D = dkernel[, dbias]).
+    """
     key = spec_key(spec)
     _handler.remember(key, spec)
-    results = [jax.ShapeDtypeStruct((spec.m, spec.n), np.dtype(spec.d_dtype))]
-    if aux_shape is not None:
-        results.append(jax.ShapeDtypeStruct(*aux_shape))
-    operands = (x, kernel) if bias is None else (x, kernel, bias)
-    outs = jax.ffi.ffi_call(TARGET_NAME, results)(
+    return jax.ffi.ffi_call(TARGET_NAME, results)(
         *operands,
         _key=np.int64(key),
+        problem=spec.problem,
         epilog=spec.epilog,
         compute_type=spec.compute_type,
         m=np.int64(spec.m),
         n=np.int64(spec.n),
         k=np.int64(spec.k),
     )
-    return outs[0], (outs[1] if aux_shape is not None else None)
 
 
 # ----------------------------------------------------------------------------- handler
@@ -172,16 +172,18 @@ class _Handler:
             nargs, args = mem[f + _F_NARGS], mem[f + _F_ARGS] >> 3
             nrets, rets = mem[f + _F_NRETS], mem[f + _F_RETS] >> 3
             x = mem[(mem[args] >> 3) + _B_DATA]
-            w = mem[(mem[args + 1] >> 3) + _B_DATA]
+            a = mem[(mem[args + 1] >> 3) + _B_DATA]  # the kernel, or dz for "wgrad"
             bias = mem[(mem[args + 2] >> 3) + _B_DATA] if nargs > 2 else 0
             d = mem[(mem[rets] >> 3) + _B_DATA]
-            aux = mem[(mem[rets + 1] >> 3) + _B_DATA] if nrets > 1 else 0
-            alignment = self._nvmath.alignment_of(x, w, d, bias, aux)
+            aux = mem[(mem[rets + 1] >> 3) + _B_DATA] if nrets > 1 else 0  # or dbias
+            alignment = self._nvmath.alignment_of(x, a, d, bias, aux)
             plan = self._plans.get((key, stream, alignment))
             if plan is None:
                 plan = self._make_plan(key, stream, alignment, d, frame)
             looked_up = time.perf_counter_ns()
-            plan.run(stream, w, x, bias, d, aux)
+            if plan.bias_is_output:  # "wgrad": the second result is dbias
+                bias, aux = aux, 0
+            plan.run(stream, a, x, bias, d, aux)
             end = time.perf_counter_ns()
             self.calls += 1
             self.busy_ns += end - start
@@ -215,13 +217,13 @@ class _Handler:
     def _metadata(ext: int) -> None:
         """Answer XLA's metadata query: API version and the command-buffer trait."""
         if _WORDS[(ext >> 3) + 1] & _LOW32 != _METADATA_EXTENSION:
-            return None
+            return
         meta = _WORDS[(ext >> 3) + 3]  # XLA_FFI_Metadata_Extension.metadata
         _u64.from_address(meta + 8).value = 24  # api_version.struct_size
         _i32.from_address(meta + 24).value = _FFI_API_VERSION[0]
         _i32.from_address(meta + 28).value = _FFI_API_VERSION[1]
         ctypes.c_uint32.from_address(meta + 32).value = _COMMAND_BUFFER_COMPATIBLE
-        return None
+        return
 
     @staticmethod
     def _find_key(nattrs: int, names: int) -> int:
@@ -263,10 +265,15 @@ class _Handler:
                 a = self._decode_attrs(frame)
                 ins = self._buffer_dtypes(frame, _F_NARGS, _F_ARGS)
                 outs = self._buffer_dtypes(frame, _F_NRETS, _F_RETS)
+                problem = a.get("problem", "forward")
+                if problem == "wgrad":
+                    bias_dtype = outs[1] if len(outs) > 1 else None
+                else:
+                    bias_dtype = ins[2] if len(ins) > 2 else None
                 spec = EpilogSpec(
                     m=a["m"], n=a["n"], k=a["k"], epilog=a["epilog"],
                     compute_type=a["compute_type"], ab_dtype=ins[0],
-                    bias_dtype=ins[2] if len(ins) > 2 else None, d_dtype=outs[0],
+                    bias_dtype=bias_dtype, d_dtype=outs[0], problem=problem,
                 )  # fmt: skip
                 if spec_key(spec) != key:
                     raise RuntimeError(f"decoded problem {spec} does not match its key")

@@ -15,6 +15,7 @@ that renames them fails loudly, at planning, with a message that says so.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from typing import Any
 
@@ -48,6 +49,9 @@ _MATMUL_INTERNALS = (
 # and usually gives 256. (The planning views are offset to match, so nvmath's own
 # heuristic query sees the same alignment as ours.)
 _ALIGNMENTS = (256, 16)
+
+# Autotuning: how many of cuBLASLt's heuristic candidates to time, and timed runs each.
+_CANDIDATES, _TUNING_RUNS = 8, 5
 
 _NP_DTYPES = {
     "float16": np.dtype(np.float16),
@@ -135,24 +139,32 @@ class _Views:
 class Plan:
     """A planned fused GEMM for one device, problem and pointer alignment."""
 
-    def __init__(self, spec: EpilogSpec, device_id: int, alignment: int):
+    def __init__(self, spec: EpilogSpec, device_id: int, alignment: int, autotune: bool = False):
         self.spec = spec
         self.device_id = device_id
         self.alignment = alignment
         m, n, k = spec.m, spec.n, spec.k
         views = _Views(device_id, alignment)
-        # Column-major D[n, m] = A[n, k] @ B[k, m]: A is the row-major (k, n) kernel, B the
-        # row-major (m, k) x, D the row-major (m, n) output.
-        a = views.view((n, k), spec.ab_dtype, (1, n))
-        b = views.view((k, m), spec.ab_dtype, (1, k))
         c = None
-        if spec.d_dtype != spec.ab_dtype:  # float32 epilog for half operands
-            c = views.view((n, m), spec.d_dtype, (1, n))
+        if spec.problem == "wgrad":
+            # Column-major D[n, k] = A[n, m] @ op(B) with A = dz (row-major (m, n)) and
+            # op(B) = x (row-major (m, k), which nvmath passes as a row-ordered layout).
+            # C fixes D's layout to column-major (n, k): the row-major (k, n) gradient.
+            a = views.view((n, m), spec.ab_dtype, (1, n))
+            b = views.view((m, k), spec.ab_dtype, (k, 1))
+            c = views.view((n, k), spec.d_dtype, (1, n))
+        else:
+            # Column-major D[n, m] = A[n, k] @ B[k, m]: A is the row-major (k, n) kernel,
+            # B the row-major (m, k) x, D the row-major (m, n) output.
+            a = views.view((n, k), spec.ab_dtype, (1, n))
+            b = views.view((k, m), spec.ab_dtype, (1, k))
+            if spec.d_dtype != spec.ab_dtype:  # float32 epilog for half operands
+                c = views.view((n, m), spec.d_dtype, (1, n))
         options = MatmulOptions(
             compute_type=MatmulComputeType[spec.compute_type], handle=_handle(device_id)
         )
         epilog_inputs = None
-        if spec.bias_dtype is not None:
+        if spec.bias_dtype is not None and spec.problem == "forward":
             epilog_inputs = {"bias": views.view((n,), spec.bias_dtype, (1,))}
         epilog = None if spec.epilog == "DEFAULT" else MatmulEpilog[spec.epilog]
         try:
@@ -173,18 +185,6 @@ class Plan:
         self._layouts = (mm.a_layout_ptr, mm.b_layout_ptr, mm.c_layout_ptr, mm.d_layout_ptr)
         self._alpha = mm.alpha.ctypes.data
         self._beta = mm.beta.ctypes.data
-        heuristic = self._choose_algorithm()
-        # cuBLASLt reads the algorithm struct at every call: keep the object that owns it
-        # (as nvmath does with its cached_best_algorithm_struct).
-        self._algo_struct = heuristic[0]["algo"]
-        self._algo = self._algo_struct.ctypes.data
-        ws_size = int(np.max(heuristic["workspace_size"]))
-        if ws_size and spec.epilog != "DEFAULT":
-            ws_size += 16  # as nvmath does: cuBLASLt epilogs may write past the stated size
-        with cp.cuda.Device(device_id):
-            self._workspace = cp.cuda.alloc(ws_size) if ws_size else None
-        self._ws_ptr = self._workspace.ptr if ws_size else 0
-        self._ws_size = ws_size
         # Host buffers holding the pointer values given to cublasLtMatmulDescSetAttribute.
         self._ptr_buf = np.zeros(2, dtype=np.uint64)
         self._bias_buf = self._ptr_buf.ctypes.data
@@ -192,10 +192,30 @@ class Plan:
         self._bias_attr = int(cublasLt.MatmulDescAttribute.BIAS_POINTER)
         self._aux_attr = int(cublasLt.MatmulDescAttribute.EPILOGUE_AUX_POINTER)
         self._last = [None, None]
+        heuristic = self._choose_algorithm(_CANDIDATES if autotune else 1)
+        self.tuning: list[float] | None = None  # µs per candidate, when autotuned
+        best = 0
+        if autotune:
+            self.tuning = self._time_candidates(heuristic)
+            best = int(np.argmin(self.tuning))
+        # cuBLASLt reads the algorithm struct at every call: keep the object that owns it
+        # (as nvmath does with its cached_best_algorithm_struct).
+        self._algo_struct = heuristic[best]["algo"]
+        self._algo = self._algo_struct.ctypes.data
+        ws_size = int(np.max(heuristic[best]["workspace_size"]))
+        if ws_size and spec.epilog != "DEFAULT":
+            ws_size += 16  # as nvmath does: cuBLASLt epilogs may write past the stated size
+        with cp.cuda.Device(device_id):
+            self._workspace = cp.cuda.alloc(ws_size) if ws_size else None
+        self._ws_ptr = self._workspace.ptr if ws_size else 0
+        self._ws_size = ws_size
+        # "wgrad" writes dbias through the bias pointer: it is an output of the call.
+        self.bias_is_output = spec.problem == "wgrad"
         self._lock = threading.Lock()
 
-    def _choose_algorithm(self):
-        """The best heuristic algorithm for operands aligned to ``self.alignment`` bytes.
+    def _choose_algorithm(self, count: int):
+        """cuBLASLt's ``count`` best heuristic algorithms for operands aligned to
+        ``self.alignment`` bytes (at least one, or PlanningError).
 
         nvmath leaves D's alignment preference at cuBLASLt's default (256 bytes); XLA's
         buffers are only guaranteed 16, so the alignment of every operand is stated here.
@@ -212,18 +232,84 @@ class Plan:
             ifc.min_alignment_b_bytes = self.alignment
             ifc.min_alignment_c_bytes = self.alignment
             ifc.min_alignment_d_bytes = self.alignment
-            result = cublasLt.MatmulHeuristicResult(1)
-            count = np.zeros(1, dtype=np.int32)
+            result = cublasLt.MatmulHeuristicResult(count)
+            found = np.zeros(1, dtype=np.int32)
             cublasLt.matmul_algo_get_heuristic(
-                self._handle, self._desc, *self._layouts, pref, 1, result.ptr, count.ctypes.data
+                self._handle, self._desc, *self._layouts, pref, count, result.ptr, found.ctypes.data
             )
         except Exception as exc:
             raise PlanningError(f"cuBLASLt heuristics failed for {self.spec}: {exc}") from exc
         finally:
             cublasLt.matmul_preference_destroy(pref)
-        if count[0] < 1:
+        if found[0] < 1:
             raise PlanningError(f"cuBLASLt found no algorithm for {self.spec}")
-        return result
+        return result[: found[0]]
+
+    def _operand_bytes(self) -> tuple[int, int, int, int, int]:
+        """Bytes of A, B, D, bias and aux for this problem (see EpilogSpec)."""
+        s = self.spec
+        ab, d = _NP_DTYPES[s.ab_dtype].itemsize, _NP_DTYPES[s.d_dtype].itemsize
+        bias = s.n * _NP_DTYPES[s.bias_dtype].itemsize if s.bias_dtype else 0
+        if s.problem == "wgrad":
+            return s.m * s.n * ab, s.m * s.k * ab, s.k * s.n * d, bias, 0
+        aux = 0
+        if s.has_aux:  # ReLU: one bit per output, rows padded to 128 bits; GELU: z padded to 8
+            aux = s.m * -(-s.n // 128) * 16 if s.activation.name == "RELU" else s.m * -(-s.n // 8) * 8 * d
+        return s.k * s.n * ab, s.m * s.k * ab, s.m * s.n * d, bias, aux
+
+    def _time_candidates(self, heuristic) -> list[float]:
+        """GPU µs per call of each candidate algorithm on scratch operands of the real sizes.
+
+        cuBLASLt's first heuristic choice was measured up to 20% slower than another of its
+        top eight on the H200 (RELU_AUX_BIAS at 8192x1024->4096: 136 vs 110 µs), so plans
+        made at lowering time try each once. Scratch memory is freed afterwards; without
+        room for it the heuristic's first choice stands.
+        """
+        sizes = [-(-b // 256) * 256 for b in self._operand_bytes()]
+        ws_size = int(np.max(heuristic["workspace_size"])) + 16
+        try:
+            with cp.cuda.Device(self.device_id):
+                scratch = cp.cuda.alloc(sum(sizes) + ws_size)
+                stream = cp.cuda.Stream(non_blocking=True)
+                with stream:  # finite, small operand values
+                    n_in = (sizes[0] + sizes[1]) // 2
+                    cp.ndarray(n_in, cp.float16, scratch)[...] = cp.random.uniform(-1, 1, n_in, cp.float32)
+        except cp.cuda.memory.OutOfMemoryError:
+            return [0.0] + [float("inf")] * (len(heuristic) - 1)
+        offsets = np.cumsum([0, *sizes]) + scratch.ptr
+        a, b, d, bias, aux = (int(o) if size else 0 for o, size in zip(offsets[:5], sizes))
+        ws_ptr = int(offsets[5])
+        for value, buf, size in ((bias, self._bias_buf, sizes[3]), (aux, self._aux_buf, sizes[4])):
+            if size:
+                self._ptr_buf[(buf - self._bias_buf) // 8] = value
+                attr = self._bias_attr if buf == self._bias_buf else self._aux_attr
+                cublasLt.matmul_desc_set_attribute(self._desc, attr, buf, 8)
+        a_layout, b_layout, c_layout, d_layout = self._layouts
+        times = []
+        for i in range(len(heuristic)):
+            algo = heuristic[i]["algo"].ctypes.data
+
+            def launch(algo=algo):
+                cublasLt.matmul(
+                    self._handle, self._desc, self._alpha, a, a_layout, b, b_layout, self._beta,
+                    d, c_layout, d, d_layout, algo, ws_ptr, ws_size, stream.ptr,
+                )  # fmt: skip
+
+            try:
+                launch()
+                start, end = cp.cuda.Event(), cp.cuda.Event()
+                start.record(stream)
+                for _ in range(_TUNING_RUNS):
+                    launch()
+                end.record(stream)
+                end.synchronize()
+                times.append(cp.cuda.get_elapsed_time(start, end) * 1e3 / _TUNING_RUNS)
+            except Exception:  # noqa: BLE001 -- a candidate that fails is never chosen
+                stream.synchronize()
+                times.append(float("inf"))
+        self._last = [None, None]  # the descriptor points at freed scratch now
+        del scratch
+        return times
 
     def run(self, stream: int, a: int, b: int, bias: int, d: int, aux: int) -> None:
         """One fused GEMM on ``stream``: A = kernel, B = x, D and aux are outputs."""
@@ -248,8 +334,13 @@ _plans: dict[tuple[EpilogSpec, int, int], Plan] = {}
 _plans_lock = threading.Lock()
 
 
-def get_plan(spec: EpilogSpec, device_id: int, alignment: int = 256) -> Plan:
-    """The cached plan, made on first use (raises PlanningError if cuBLASLt refuses)."""
+def get_plan(spec: EpilogSpec, device_id: int, alignment: int = 256, autotune: bool = False) -> Plan:
+    """The cached plan, made on first use (raises PlanningError if cuBLASLt refuses).
+
+    ``autotune`` (at lowering time only, never inside the FFI handler, which XLA may call
+    while capturing a CUDA graph): time cuBLASLt's best few algorithms and keep the fastest,
+    unless the environment sets JAX_EPILOG_AUTOTUNE=0.
+    """
     key = (spec, device_id, alignment)
     plan = _plans.get(key)
     if plan is None:
@@ -257,7 +348,8 @@ def get_plan(spec: EpilogSpec, device_id: int, alignment: int = 256) -> Plan:
             plan = _plans.get(key)
             if plan is None:
                 with _relaxed_capture():
-                    plan = _plans[key] = Plan(spec, device_id, alignment)
+                    tune = autotune and os.environ.get("JAX_EPILOG_AUTOTUNE", "1") != "0"
+                    plan = _plans[key] = Plan(spec, device_id, alignment, autotune=tune)
     return plan
 
 

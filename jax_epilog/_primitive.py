@@ -1,4 +1,8 @@
-"""The fused-matmul primitive: abstract evaluation, per-platform lowering and batching.
+"""The primitives behind fused_dense: abstract evaluation, per-platform lowering, batching.
+
+``fused_matmul_p`` is the forward (GEMM + bias + activation, optionally the aux);
+``fused_weight_grad_p`` the backward's kernel-gradient GEMM with the bias gradient fused
+into its epilog (cuBLASLt's BGRADA).
 
 On CUDA the primitive lowers to our FFI custom call when nvmath-python is importable and
 cuBLASLt accepts the problem (checked by planning it at lowering time, so a refusal never
@@ -21,7 +25,7 @@ from jax.interpreters import batching, mlir
 from . import _reference
 from ._epilogs import ComputeType, EpilogSpec, aux_dtype, aux_padded_width, epilog_name
 
-__all__ = ["fused_matmul", "FastPathWarning"]
+__all__ = ["FastPathWarning", "fused_matmul", "fused_weight_grad"]
 
 
 class FastPathWarning(RuntimeWarning):
@@ -66,17 +70,20 @@ def _reference_impl(x, kernel, *bias, activation, with_aux, compute_type, d_dtyp
     return outs + [aux] if with_aux else outs
 
 
-@functools.cache
-def _jitted(params: tuple) -> callable:
-    return jax.jit(functools.partial(fused_matmul_p.bind, **dict(params)))
-
-
-def _impl(*args, **params):
+def _impl_of(primitive: Primitive):
     """Eager calls run the primitive jitted, compiled once per parameter set."""
-    return _jitted(tuple(sorted(params.items())))(*args)
+
+    @functools.cache
+    def jitted(params: tuple) -> callable:
+        return jax.jit(functools.partial(primitive.bind, **dict(params)))
+
+    def impl(*args, **params):
+        return jitted(tuple(sorted(params.items())))(*args)
+
+    return impl
 
 
-fused_matmul_p.def_impl(_impl)
+fused_matmul_p.def_impl(_impl_of(fused_matmul_p))
 _reference_lowering = mlir.lower_fun(_reference_impl, multiple_results=True)
 mlir.register_lowering(fused_matmul_p, _reference_lowering)
 
@@ -109,7 +116,7 @@ def _fast_path_refusal(spec: EpilogSpec) -> str | None:
         return f"nvmath-python/cupy are not importable ({exc}); install jax_epilog[cuda12|cuda13]"
     _ffi.ensure_registered()
     try:
-        _nvmath.get_plan(spec, _nvmath.current_device())
+        _nvmath.get_plan(spec, _nvmath.current_device(), autotune=True)
     except _nvmath.PlanningError as exc:
         return str(exc)
     return None
@@ -136,13 +143,14 @@ def _cuda_lowering(ctx, x, kernel, *bias, activation, with_aux, compute_type, d_
     def fused(x, kernel, *bias):
         from . import _ffi
 
-        aux_shape = None
         if with_aux:
             aux_aval = ctx.avals_out[1]
             aux_shape = (aux_aval.shape, aux_aval.dtype)
-        d, aux = _ffi.call(x, kernel, bias[0] if bias else None, spec, aux_shape)
-        outs = [d.astype(out_dtype)]  # a no-op unless the epilog ran in float32
-        return outs + [aux] if with_aux else outs
+        results = [jax.ShapeDtypeStruct((spec.m, spec.n), d_dtype)]
+        if with_aux:
+            results.append(jax.ShapeDtypeStruct(*aux_shape))
+        d, *aux = _ffi.call((x, kernel, *bias), results, spec)
+        return [d.astype(out_dtype), *aux]  # a no-op cast unless the epilog ran in float32
 
     return mlir.lower_fun(fused, multiple_results=True)(ctx, x, kernel, *bias)
 
@@ -171,3 +179,75 @@ def _batch(args, dims, **params):
 
 
 batching.primitive_batchers[fused_matmul_p] = _batch
+
+
+# ------------------------------------------------------------------ kernel and bias gradient
+
+fused_weight_grad_p = Primitive("jax_epilog_fused_weight_grad")
+fused_weight_grad_p.multiple_results = True
+
+
+def fused_weight_grad(x, dz, *, compute_type, d_dtype):
+    """(m, k) x and (m, n) dz -> [x^T @ dz, sum(dz, 0)], both in ``d_dtype``, from one GEMM."""
+    return fused_weight_grad_p.bind(x, dz, compute_type=compute_type, d_dtype=np.dtype(d_dtype))
+
+
+def _wgrad_abstract_eval(x, dz, *, compute_type, d_dtype):
+    del compute_type
+    k, n = x.shape[1], dz.shape[1]
+    return [jax.core.ShapedArray((k, n), d_dtype), jax.core.ShapedArray((n,), d_dtype)]
+
+
+def _wgrad_reference_impl(x, dz, *, compute_type, d_dtype):
+    return list(_reference.weight_grad(x, dz, compute_type, d_dtype, with_bias=True))
+
+
+fused_weight_grad_p.def_abstract_eval(_wgrad_abstract_eval)
+fused_weight_grad_p.def_impl(_impl_of(fused_weight_grad_p))
+_wgrad_reference_lowering = mlir.lower_fun(_wgrad_reference_impl, multiple_results=True)
+mlir.register_lowering(fused_weight_grad_p, _wgrad_reference_lowering)
+
+
+def _wgrad_cuda_lowering(ctx, x, dz, *, compute_type, d_dtype):
+    x_aval, dz_aval = ctx.avals_in
+    (m, k), n = x_aval.shape, dz_aval.shape[1]
+    params = dict(compute_type=compute_type, d_dtype=d_dtype)
+    # K = 1: cuBLASLt 13.1 plans a BGRADA GEMM with one output row but then refuses to
+    # run it (CUBLAS_STATUS_INVALID_VALUE, measured on the H200), so XLA computes it.
+    if np.dtype(x_aval.dtype) == np.float64 or 0 in (m, k, n) or k == 1:
+        return _wgrad_reference_lowering(ctx, x, dz, **params)
+    dt = np.dtype(d_dtype).name
+    spec = EpilogSpec(
+        m=int(m), n=int(n), k=int(k), epilog="BGRADA",
+        compute_type=ComputeType(compute_type).name, ab_dtype=np.dtype(x_aval.dtype).name,
+        bias_dtype=dt, d_dtype=dt, problem="wgrad",
+    )  # fmt: skip
+    refusal = _fast_path_refusal(spec)
+    if refusal is not None:
+        _warn_once(refusal)
+        return _wgrad_reference_lowering(ctx, x, dz, **params)
+
+    def fused(x, dz):
+        from . import _ffi
+
+        results = [jax.ShapeDtypeStruct((spec.k, spec.n), d_dtype), jax.ShapeDtypeStruct((spec.n,), d_dtype)]
+        return _ffi.call((x, dz), results, spec)
+
+    return mlir.lower_fun(fused, multiple_results=True)(ctx, x, dz)
+
+
+mlir.register_lowering(fused_weight_grad_p, _wgrad_cuda_lowering, platform="cuda")
+
+
+def _wgrad_batch(args, dims, **params):
+    """Each batch member has its own gradient: one fused call per member, in a loop."""
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    stacked = [
+        jnp.broadcast_to(a, (size, *a.shape)) if d is None else jnp.moveaxis(a, d, 0)
+        for a, d in zip(args, dims)
+    ]
+    outs = jax.lax.map(lambda ops: fused_weight_grad_p.bind(*ops, **params), stacked)
+    return list(outs), [0, 0]
+
+
+batching.primitive_batchers[fused_weight_grad_p] = _wgrad_batch

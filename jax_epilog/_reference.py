@@ -15,7 +15,16 @@ import numpy as np
 
 from ._epilogs import Activation, ComputeType, aux_dtype, aux_padded_width
 
-__all__ = ["activate", "dense", "dense_vjp", "pack_relu_mask", "unpack_relu_mask"]
+__all__ = [
+    "activate",
+    "dense",
+    "input_grad",
+    "output_grad",
+    "pack_relu_mask",
+    "plain",
+    "unpack_relu_mask",
+    "weight_grad",
+]
 
 
 def activate(z: jax.Array, activation: Activation | None) -> jax.Array:
@@ -61,6 +70,19 @@ def _matmul(a: jax.Array, b: jax.Array, contract: tuple[int, int], compute_type:
     )
 
 
+def plain(
+    x: jax.Array, kernel: jax.Array, bias: jax.Array | None, activation: Activation | None, tf32: bool
+) -> jax.Array:
+    """``act(x @ kernel + bias)`` as users write it, for XLA to compile (and differentiate)
+    its own way: XLA's rounding (after the matmul, the bias and the activation for half
+    dtypes), float32 products in full precision unless ``tf32``. Result in x's dtype."""
+    precision = jax.lax.Precision.DEFAULT if tf32 else jax.lax.Precision.HIGHEST
+    z = jnp.matmul(x, kernel, precision=precision)
+    if bias is not None:
+        z = z + bias
+    return activate(z, activation).astype(x.dtype)
+
+
 def dense(
     x: jax.Array,
     kernel: jax.Array,
@@ -90,26 +112,23 @@ def dense(
     return d, aux
 
 
-def dense_vjp(
-    x: jax.Array,
-    kernel: jax.Array,
+def output_grad(
     aux: jax.Array | None,
     dy: jax.Array,
     dz_extra: jax.Array | None,
     activation: Activation | None,
     compute_type: ComputeType,
-    bias_dtype: np.dtype | None,
-) -> tuple[jax.Array, jax.Array, jax.Array | None]:
-    """The backward of ``dense`` from its aux: ``(dx, dkernel, dbias or None)``.
+    operand_dtype: np.dtype,
+) -> jax.Array:
+    """``dz = dy * act'(z)`` from the forward's aux, in ``operand_dtype`` (the GEMMs' input).
 
-    ``x`` is (m, k), ``kernel`` (k, n), ``dy`` (m, n); ``aux`` is the forward's aux (the
-    ReLU bit-mask or the GELU input), ``dz_extra`` a cotangent of the GELU aux's first n
-    columns, or None. ``dz = dy * act'(z)`` is formed in the epilog's precision; the two
-    GEMMs take it in ``x``'s dtype and accumulate like the forward. At ``z == 0`` ReLU's
-    derivative is 0 (the mask holds ``z > 0``), as for ``jax.nn.relu``.
+    ``dy`` is (m, n); ``aux`` the ReLU bit-mask or the GELU input; ``dz_extra`` a cotangent
+    of the GELU aux's first n columns, or None. dz is formed in the epilog's precision
+    and rounded once. At ``z == 0`` ReLU's derivative is 0 (the mask holds ``z > 0``), as
+    for ``jax.nn.relu``.
     """
-    n = kernel.shape[1]
-    acc = _epilog_dtype(np.dtype(x.dtype), compute_type)
+    n = dy.shape[-1]
+    acc = _epilog_dtype(np.dtype(operand_dtype), compute_type)
     dz = dy.astype(acc)
     if activation is Activation.RELU:
         dz = jnp.where(unpack_relu_mask(aux, n), dz, jnp.zeros((), acc))
@@ -118,8 +137,21 @@ def dense_vjp(
         dz = jax.vjp(lambda z: activate(z, activation), z)[1](dz)[0]
     if dz_extra is not None:
         dz = dz + dz_extra.astype(acc)
-    dz_op = dz.astype(x.dtype)
-    dx = _matmul(dz_op, kernel, (1, 1), compute_type).astype(x.dtype)
-    dkernel = _matmul(x, dz_op, (0, 0), compute_type).astype(kernel.dtype)
-    dbias = None if bias_dtype is None else jnp.sum(dz, axis=0).astype(bias_dtype)
-    return dx, dkernel, dbias
+    return dz.astype(operand_dtype)
+
+
+def input_grad(dz: jax.Array, kernel: jax.Array, compute_type: ComputeType) -> jax.Array:
+    """``dx = dz @ kernel^T``, accumulated like the forward."""
+    return _matmul(dz, kernel, (1, 1), compute_type).astype(kernel.dtype)
+
+
+def weight_grad(
+    x: jax.Array, dz: jax.Array, compute_type: ComputeType, d_dtype: np.dtype, with_bias: bool
+) -> tuple[jax.Array, jax.Array | None]:
+    """``(x^T @ dz, sum(dz, axis=0) or None)`` in ``d_dtype``: what the GPU's ``wgrad``
+    problem computes with one GEMM and its bias-gradient epilog (BGRADA)."""
+    dkernel = _matmul(x, dz, (0, 0), compute_type).astype(d_dtype)
+    if not with_bias:
+        return dkernel, None
+    acc = _epilog_dtype(np.dtype(dz.dtype), compute_type)
+    return dkernel, jnp.sum(dz.astype(acc), axis=0).astype(d_dtype)

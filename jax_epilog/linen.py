@@ -172,6 +172,8 @@ class FusedDense(nn.Module):
       compute_type: the cuBLAS compute type (a ``jax_epilog.ComputeType`` or nvmath
         ``MatmulComputeType`` member or its name); None for the default (``COMPUTE_32F``,
         ``COMPUTE_64F`` for float64).
+      implementation: ``"auto"``, ``"cublaslt"`` or ``"xla"``, as for ``fused_dense``
+        (``"auto"``: the fused kernel where it measured faster, XLA elsewhere).
     """
 
     features: int
@@ -184,6 +186,7 @@ class FusedDense(nn.Module):
     promote_dtype: Any = _flax_dtypes.promote_dtype
     activation: str | Activation | None = None
     compute_type: Any = None
+    implementation: str = "auto"
 
     @nn.compact
     def __call__(self, inputs):
@@ -196,4 +199,7 @@ class FusedDense(nn.Module):
         )
         inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
         compute_type = _resolve_compute_type(self.precision, self.compute_type, inputs.dtype, "FusedDense")
-        return fused_dense(inputs, kernel, bias, activation=self.activation, compute_type=compute_type)
+        return fused_dense(
+            inputs, kernel, bias, activation=self.activation, compute_type=compute_type,
+            implementation=self.implementation,
+        )  # fmt: skip

@@ -88,6 +88,7 @@ class FusedLinear(nnx.Module):
       activation: None, ``"relu"`` or ``"gelu"`` (tanh approximation).
       compute_type: the cuBLAS compute type (a ``jax_epilog.ComputeType`` or nvmath
         ``MatmulComputeType`` member or its name); None for the default.
+      implementation: ``"auto"``, ``"cublaslt"`` or ``"xla"``, as for ``fused_dense``.
     """
 
     def __init__(
@@ -107,6 +108,7 @@ class FusedLinear(nnx.Module):
         bias_metadata: Any = MappingProxyType({}),
         activation: str | Activation | None = None,
         compute_type: Any = None,
+        implementation: str = "auto",
     ):
         kernel_key = rngs.params()
         self.kernel = nnx.Param(
@@ -128,6 +130,7 @@ class FusedLinear(nnx.Module):
         self.promote_dtype = promote_dtype
         self.activation = activation
         self.compute_type = compute_type
+        self.implementation = implementation
 
     def __call__(self, inputs):
         """Applies ``act(inputs @ kernel + bias)`` along the last dimension of ``inputs``."""
@@ -135,4 +138,7 @@ class FusedLinear(nnx.Module):
         bias = self.bias[...] if self.bias is not None else None
         inputs, kernel, bias = self.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
         compute_type = _resolve_compute_type(self.precision, self.compute_type, inputs.dtype, "FusedLinear")
-        return fused_dense(inputs, kernel, bias, activation=self.activation, compute_type=compute_type)
+        return fused_dense(
+            inputs, kernel, bias, activation=self.activation, compute_type=compute_type,
+            implementation=self.implementation,
+        )  # fmt: skip

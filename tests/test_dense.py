@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 
@@ -12,7 +13,12 @@ import numpy as np
 import pytest
 from tolerances import assert_close, epilog_slack, tolerance
 
-from jax_epilog import Activation, ComputeType, aux_padded_width, fused_dense
+import jax_epilog
+from jax_epilog import Activation, ComputeType, aux_padded_width
+
+# These tests are about the op itself (its cuBLASLt kernel on a GPU, its reference math
+# on a CPU), not about implementation="auto"'s choice: see test_implementation.py.
+fused_dense = functools.partial(jax_epilog.fused_dense, implementation="cublaslt")
 
 jit_dense = jax.jit(fused_dense, static_argnames=("activation", "compute_type", "return_aux"))
 

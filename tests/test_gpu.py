@@ -10,7 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_epilog import FastPathWarning, aux_padded_width, fused_dense, unpack_relu_mask
+import jax_epilog
+from jax_epilog import FastPathWarning, aux_padded_width, unpack_relu_mask
+
+# These tests are about the op itself (its cuBLASLt kernel on a GPU, its reference math
+# on a CPU), not about implementation="auto"'s choice: see test_implementation.py.
+fused_dense = functools.partial(jax_epilog.fused_dense, implementation="cublaslt")
 
 pytestmark = pytest.mark.gpu
 
@@ -168,7 +173,7 @@ def test_vmap_shared_weights_is_one_custom_call(rng):
 def test_refused_problem_falls_back_with_one_warning(rng, monkeypatch):
     from jax_epilog import _nvmath, _primitive
 
-    def refuse(spec, device_id, alignment=256):
+    def refuse(spec, device_id, alignment=256, autotune=False):
         raise _nvmath.PlanningError(f"test refusal of {spec}")
 
     monkeypatch.setattr(_nvmath, "get_plan", refuse)
@@ -222,3 +227,76 @@ def test_no_device_memory_leak_over_1000_jitted_calls(rng):
     after_free = cp.cuda.runtime.memGetInfo()[0]
     assert after_jax <= before_jax
     assert before_free - after_free < 4 << 20  # no per-call allocations outside XLA either
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_backward_fuses_the_bias_gradient_into_the_kernel_gradient_gemm(rng, with_bias):
+    from jax_epilog._ffi import TARGET_NAME
+
+    x, w, b = _inputs(rng, 33, 129, 65, "bfloat16")
+    loss = lambda x, w, b: fused_dense(x, w, b, activation="relu").astype(jnp.float32).sum()
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2) if with_bias else (0, 1))).lower(
+        x, w, b if with_bias else None
+    ).as_text()
+    # The forward's custom call, plus with a bias one more: the wgrad GEMM with BGRADA.
+    assert text.count(f'@{TARGET_NAME}(') == (2 if with_bias else 1), text
+    assert ('"BGRADA"' in text) == with_bias
+
+
+@pytest.mark.parametrize("dtype,bias_dtype", [("bfloat16", "bfloat16"), ("float16", "float16"),
+                                              ("float16", "float32"), ("float32", "float32")])
+def test_weight_grad_matches_nvmath_bgrada_directly(rng, dtype, bias_dtype):
+    """The backward's cuBLASLt GEMM (dkernel and dbias from one call) equals nvmath's own
+    Matmul with the BGRADA epilog on the same inputs, and a float64 oracle."""
+    import cupy as cp
+    import ml_dtypes
+    from nvmath.linalg.advanced import Matmul, MatmulEpilog
+
+    from jax_epilog._primitive import fused_weight_grad
+
+    m, k, n = 300, 133, 96 + 5
+    d_dtype = "float32" if bias_dtype == "float32" else dtype
+    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    dz = jnp.asarray(rng.standard_normal((m, n)), dtype)
+    f = jax.jit(functools.partial(fused_weight_grad, compute_type=68, d_dtype=d_dtype))  # COMPUTE_32F
+    assert "BGRADA" in f.lower(x, dz).as_text()
+    dkernel, dbias = f(x, dz)
+    assert dkernel.dtype == d_dtype and dbias.dtype == d_dtype
+
+    np_dt = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16),
+             "float32": np.dtype(np.float32)}
+
+    def device(a, dt, shape, strides):  # cupy view with an explicit dtype (no bf16 typestr)
+        host = np.ascontiguousarray(np.asarray(a, np_dt[dt]))
+        raw = cp.asarray(host.view(np.uint8))
+        return cp.ndarray(shape, np_dt[dt], raw.data, tuple(s * np_dt[dt].itemsize for s in strides))
+
+    a = device(dz, dtype, (n, m), (1, n))  # column-major dz^T
+    bm = device(x, dtype, (m, k), (k, 1))  # x as stored
+    c = device(np.zeros((k, n)), d_dtype, (n, k), (1, n))
+    with Matmul(a, bm, c=c, beta=0.0) as mm:
+        mm.plan(epilog=MatmulEpilog.BGRADA)
+        d_nv, aux = mm.execute()
+    bits = np.uint32 if d_dtype == "float32" else np.uint16
+
+    def as_f64(arr):
+        return cp.asnumpy(arr.view(bits)).view(np_dt[d_dtype]).astype(np.float64)
+
+    want_dk = np.asarray(x, np.float64).T @ np.asarray(dz, np.float64)
+    want_db = np.asarray(dz, np.float64).sum(axis=0)
+    tol = TOL[dtype] * 2
+    _assert_close(dkernel, as_f64(d_nv).T, tol)
+    _assert_close(dbias, as_f64(aux["bgrada"]).reshape(n), tol)
+    _assert_close(dkernel, want_dk, tol)
+    _assert_close(dbias, want_db, tol)
+
+
+def test_plans_made_at_lowering_are_autotuned(rng):
+    from jax_epilog import _nvmath
+
+    x, w, b = _inputs(rng, 520, 264, 392, "bfloat16")
+    y = jit_dense(x, w, b, activation="gelu")
+    tuned = [p for key, p in _nvmath._plans.items() if key[0].m == 520 and key[0].n == 392]
+    assert tuned and all(p.tuning for p in tuned)
+    assert all(np.isfinite(min(p.tuning)) for p in tuned)
+    _assert_close(y, _oracle(x, w, b, "gelu")[0], TOL["bfloat16"])

@@ -15,7 +15,12 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 
-from jax_epilog import fused_dense, unpack_relu_mask
+import jax_epilog
+from jax_epilog import unpack_relu_mask
+
+# These tests are about the op itself (its cuBLASLt kernel on a GPU, its reference math
+# on a CPU), not about implementation="auto"'s choice: see test_implementation.py.
+fused_dense = functools.partial(jax_epilog.fused_dense, implementation="cublaslt")
 
 ACTIVATIONS = [None, "relu", "gelu"]
 DTYPES = ["float16", "bfloat16", "float32", "float64"]
@@ -169,7 +174,7 @@ def test_gelu_aux_is_differentiable_and_relu_mask_is_not(rng, dtype):
     for name, g, r in zip(("dx", "dkernel", "dbias"), got, want):
         assert_grad_close(g, r, dtype, name)
     # The ReLU mask is integer data: gradients flow through y only.
-    relu_loss = lambda x: fused_dense(x, w, b, activation="relu", return_aux=True)[0].sum()  # noqa: E731
+    relu_loss = lambda x: fused_dense(x, w, b, activation="relu", return_aux=True)[0].sum()
     dx = jax.grad(relu_loss)(x)
     assert_grad_close(dx, reference_vjp(x, w, b, "relu", np.ones((2, 5, 11)))[0], dtype, "dx")
 
@@ -218,7 +223,8 @@ def test_grad_of_vmapped_ensemble(rng):
         return jnp.sum(jax.vmap(lambda w, b: fused_dense(x, w, b, activation="gelu"))(ws, bs) ** 2)
 
     def plain(ws, bs):
-        return jnp.sum(jax.nn.gelu(jnp.einsum("mk,ekn->emn", x, ws) + bs[:, None], approximate=True) ** 2)
+        z = jnp.einsum("mk,ekn->emn", x, ws, precision=jax.lax.Precision.HIGHEST)  # no TF32 on a GPU
+        return jnp.sum(jax.nn.gelu(z + bs[:, None], approximate=True) ** 2)
 
     for g, r in zip(jax.grad(loss, argnums=(0, 1))(ws, bs), jax.grad(plain, argnums=(0, 1))(ws, bs)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=2e-4, atol=2e-5)
@@ -282,8 +288,10 @@ def test_mlp_training_curve_matches_plain_jnp(rng):
             x = dense(x, w, b, None if i == len(params) - 1 else "relu")
         return x
 
-    fused = lambda x, w, b, act: fused_dense(x, w, b, activation=act)  # noqa: E731
-    plain = lambda x, w, b, act: (jax.nn.relu if act else (lambda z: z))(x @ w + b)  # noqa: E731
+    fused = lambda x, w, b, act: fused_dense(x, w, b, activation=act)
+    plain = lambda x, w, b, act: (jax.nn.relu if act else (lambda z: z))(
+        jnp.matmul(x, w, precision=jax.lax.Precision.HIGHEST) + b  # float32 like the op: no TF32 on a GPU
+    )
 
     def train(dense):
         @jax.jit
@@ -300,3 +308,14 @@ def test_mlp_training_curve_matches_plain_jnp(rng):
     fused_losses, plain_losses = train(fused), train(plain)
     assert fused_losses[-1] < 0.9 * fused_losses[0]  # it learns; the curve check is the point
     np.testing.assert_allclose(fused_losses, plain_losses, rtol=2e-3)
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_backward_computes_the_bias_gradient_only_with_a_bias(rng, with_bias):
+    """With a bias, dkernel and dbias come from one fused weight-gradient op (one cuBLASLt
+    GEMM with the BGRADA epilog on a GPU); without one, a plain GEMM and no reduction."""
+    x, w, b = make_inputs(rng, (6, 12), 10, "float32", bias=with_bias)
+    grad = jax.grad(lambda x, w, b: fused_dense(x, w, b, activation="relu").sum(), argnums=(0, 1))
+    jaxpr = str(jax.make_jaxpr(grad)(x, w, b))
+    assert jaxpr.count("jax_epilog_fused_weight_grad") == (1 if with_bias else 0)
+    assert jaxpr.count("dot_general") == (1 if with_bias else 2)  # dx's GEMM [and dkernel's]

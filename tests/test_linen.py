@@ -31,7 +31,11 @@ nn = pytest.importorskip("flax.linen")
 serialization = pytest.importorskip("flax.serialization")
 optax = pytest.importorskip("optax")
 
-from jax_epilog.linen import FusedDense
+from jax_epilog.linen import FusedDense as _FusedDense
+
+# The layer tests exercise the fused op itself ("cublaslt": the kernel on a GPU, the
+# reference math on a CPU); "auto" would pick XLA's plain expression for these sizes.
+FusedDense = functools.partial(_FusedDense, implementation="cublaslt")
 
 
 def twin(activation, **kwargs):

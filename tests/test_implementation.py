@@ -1,0 +1,126 @@
+"""``implementation=``: "cublaslt" (the op), "xla" (the plain expression) and "auto"."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_epilog import _dense, fused_dense
+
+FUSED = "jax_epilog_fused_matmul"
+
+
+def _inputs(rng, m, k, n, dtype="float32"):
+    return (
+        jnp.asarray(rng.standard_normal((m, k)), dtype),
+        jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), dtype),
+        jnp.asarray(rng.standard_normal(n), dtype),
+    )
+
+
+def _plain(x, w, b, activation):
+    z = jnp.matmul(x, w, precision=jax.lax.Precision.HIGHEST) + b
+    return {"relu": jax.nn.relu, "gelu": functools.partial(jax.nn.gelu, approximate=True)}[activation](z)
+
+
+def _jaxpr(f, *args) -> str:
+    return str(jax.make_jaxpr(f)(*args))
+
+
+@pytest.mark.parametrize("bad", ["cuda", "XLA", None, 1])
+def test_unknown_implementation_names_the_allowed_ones(rng, bad):
+    x, w, b = _inputs(rng, 3, 5, 7)
+    with pytest.raises(ValueError, match=r"unknown implementation .*allowed: \('auto', 'cublaslt', 'xla'\)"):
+        fused_dense(x, w, b, implementation=bad)
+
+
+def test_xla_cannot_return_the_aux(rng):
+    x, w, b = _inputs(rng, 3, 5, 7)
+    with pytest.raises(ValueError, match=r"return_aux=True .*allowed with return_aux: \('auto', 'cublaslt'\)"):
+        fused_dense(x, w, b, activation="relu", return_aux=True, implementation="xla")
+
+
+def test_xla_refuses_a_compute_type_it_cannot_reproduce(rng):
+    x, w, b = _inputs(rng, 3, 5, 7, "float16")
+    with pytest.raises(ValueError, match="implementation='xla' cannot accumulate as compute_type COMPUTE_16F"):
+        fused_dense(x, w, b, compute_type="COMPUTE_16F", implementation="xla")
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+@pytest.mark.parametrize("implementation", ["xla", "auto"])
+def test_plain_expression_values_grads_and_forward_mode(rng, activation, implementation):
+    """Below the "auto" threshold, and always with "xla": exactly the user's expression,
+    differentiated by JAX (forward mode included)."""
+    x, w, b = _inputs(rng, 33, 17, 9)
+    f = functools.partial(fused_dense, activation=activation, implementation=implementation)
+    assert FUSED not in _jaxpr(f, x, w, b)
+    np.testing.assert_array_equal(np.asarray(f(x, w, b)), np.asarray(_plain(x, w, b, activation)))
+    loss = lambda g: lambda x, w, b: jnp.sum(g(x, w, b) ** 2)
+    grads = jax.grad(loss(f), argnums=(0, 1, 2))(x, w, b)
+    want = jax.grad(loss(functools.partial(_plain, activation=activation)), argnums=(0, 1, 2))(x, w, b)
+    for g, r in zip(grads, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-6, atol=1e-6)
+    jax.jvp(lambda x: f(x, w, b), (x,), (x,))  # forward mode works here
+
+
+def test_auto_fuses_large_forward_passes_only():
+    big = jax.ShapeDtypeStruct((4096, 1024), jnp.bfloat16), jax.ShapeDtypeStruct((1024, 4096), jnp.bfloat16)
+    bias = jax.ShapeDtypeStruct((4096,), jnp.bfloat16)
+    f = functools.partial(fused_dense, activation="gelu")
+    assert FUSED in _jaxpr(f, *big, bias)
+    # Under reverse-mode differentiation "auto" is XLA's own expression and autodiff.
+    grad = jax.grad(lambda x, w, b: jnp.sum(f(x, w, b), dtype=jnp.float32), argnums=(0, 1, 2))
+    assert FUSED not in _jaxpr(grad, *big, bias) and "weight_grad" not in _jaxpr(grad, *big, bias)
+    # ReLU or no activation (XLA fuses those into its own GEMM), few rows, a small layer: XLA.
+    for activation in ("relu", None):
+        assert FUSED not in _jaxpr(functools.partial(fused_dense, activation=activation), *big, bias)
+    assert FUSED not in _jaxpr(f, jax.ShapeDtypeStruct((512, 8192), jnp.bfloat16),
+                               jax.ShapeDtypeStruct((8192, 4096), jnp.bfloat16), bias)
+    assert FUSED not in _jaxpr(f, jax.ShapeDtypeStruct((2048, 256), jnp.bfloat16),
+                               jax.ShapeDtypeStruct((256, 4096), jnp.bfloat16), bias)
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_auto_fused_forward_with_xla_backward(rng, activation, monkeypatch):
+    """The large-layer "auto" path on a small problem: the op's value, the plain gradients."""
+    monkeypatch.setattr(_dense, "_auto_fuses", lambda activation, m, n, k: True)
+    x, w, b = _inputs(rng, 33, 17, 9)
+    f = functools.partial(fused_dense, activation=activation)
+    assert FUSED in _jaxpr(f, x, w, b)
+    op = fused_dense(x, w, b, activation=activation, implementation="cublaslt")
+    np.testing.assert_array_equal(np.asarray(f(x, w, b)), np.asarray(op))
+    grads = jax.grad(lambda *a: jnp.sum(f(*a) ** 2), argnums=(0, 1, 2))(x, w, b)
+    want = jax.grad(lambda *a: jnp.sum(_plain(*a, activation) ** 2), argnums=(0, 1, 2))(x, w, b)
+    for g, r in zip(grads, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-5)
+    # No bias, and leading dimensions.
+    xs = x.reshape(3, 11, 17)
+    g = jax.grad(lambda x: jnp.sum(f(x, w) ** 2))(xs)
+    act = jax.nn.relu if activation == "relu" else functools.partial(jax.nn.gelu, approximate=True)
+    r = jax.grad(lambda x: jnp.sum(act(jnp.matmul(x, w, precision="highest")) ** 2))(xs)  # no TF32
+    np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-5)
+
+
+def test_auto_keeps_the_op_where_xla_cannot_reproduce_it(rng):
+    x, w, b = _inputs(rng, 3, 5, 7, "float16")
+    assert FUSED in _jaxpr(functools.partial(fused_dense, activation="relu", return_aux=True), x, w, b)
+    assert FUSED in _jaxpr(functools.partial(fused_dense, compute_type="COMPUTE_16F"), x, w, b)
+
+
+def test_layers_pass_the_implementation_on(rng):
+    pytest.importorskip("flax.linen")
+    nnx = pytest.importorskip("flax.nnx")
+    from jax_epilog.linen import FusedDense
+    from jax_epilog.nnx import FusedLinear
+
+    x = jnp.asarray(rng.standard_normal((4, 6)), jnp.float32)
+    for impl, fused in (("cublaslt", True), ("xla", False), ("auto", False)):
+        layer = FusedDense(5, activation="relu", implementation=impl)
+        params = layer.init(jax.random.key(0), x)
+        assert (FUSED in _jaxpr(layer.apply, params, x)) == fused
+        lin = FusedLinear(6, 5, activation="relu", implementation=impl, rngs=nnx.Rngs(0))
+        assert (FUSED in _jaxpr(lin, x)) == fused

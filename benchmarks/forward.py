@@ -6,11 +6,13 @@ Run on a GPU (scripts/gpu_check.sh runs it twice, with XLA command buffers on an
 
 Method: every contender runs in this one process on the same inputs. JAX rows are
 jitted calls dispatched back to back (so small shapes include JAX's dispatch cost, as a
-user sees it), timed with the wall clock after block_until_ready: median over 7 repeats of
-30 calls. The "in 4" rows jit four independent layers into one call and divide by four,
-which amortises dispatch and shows the time each layer takes on the GPU. nvmath rows time ``Matmul.execute()`` with CUDA events (median of 7 x 30), with
-the host µs per execute() call beside them. Host cost of our FFI handler is measured
-inside the handler (jax_epilog._ffi.handler_stats) and by the 16-layer chain comparison.
+user sees it), timed with the wall clock after block_until_ready: median over 7 samples,
+each at least 30 calls and 20 ms, the contenders' samples interleaved. The "in 4" rows
+jit four independent layers into one call and divide by four, which amortises dispatch
+and shows the time each layer takes on the GPU. nvmath rows time ``Matmul.execute()``
+with CUDA events (median of 7 x 30), with the host µs per execute() call beside them.
+Host cost of our FFI handler is measured inside the handler
+(jax_epilog._ffi.handler_stats) and by the 16-layer chain comparison.
 """
 
 from __future__ import annotations
@@ -30,25 +32,50 @@ import numpy as np
 
 from jax_epilog import _ffi, fused_dense
 
-REPEATS, ITERS = 7, 30
+REPEATS, ITERS = 7, 30  # ITERS: the fewest back-to-back calls in one sample
+SAMPLE_S = 0.02  # each sample runs at least this long
 
 
 def _act(name):
     return jax.nn.relu if name == "relu" else partial(jax.nn.gelu, approximate=True)
 
 
+def _calls_per_sample(f, *args) -> int:
+    """Back-to-back calls that fill SAMPLE_S (at least ITERS): a short sample would
+    charge one call's whole dispatch-to-completion latency to a few calls."""
+    jax.block_until_ready(f(*args))
+    jax.block_until_ready(f(*args))
+    start = time.perf_counter()
+    for _ in range(3):
+        out = f(*args)
+    jax.block_until_ready(out)
+    per_call = (time.perf_counter() - start) / 3
+    return int(min(2000, max(ITERS, SAMPLE_S / per_call)))
+
+
+def _sample(f, args, iters: int) -> float:
+    start = time.perf_counter()
+    for _ in range(iters):
+        out = f(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - start) / iters * 1e6
+
+
 def time_jax(f, *args) -> float:
     """Median µs per call of a jitted function called back to back."""
-    jax.block_until_ready(f(*args))
-    jax.block_until_ready(f(*args))
-    samples = []
+    iters = _calls_per_sample(f, *args)
+    return statistics.median(_sample(f, args, iters) for _ in range(REPEATS))
+
+
+def time_jax_interleaved(*cases) -> list[float]:
+    """Median µs per call for each ``(f, args)``, their samples taken in turn (A B A B ...)
+    so that clock or thermal drift during the run affects every contender alike."""
+    iters = [_calls_per_sample(f, *args) for f, args in cases]
+    samples = [[] for _ in cases]
     for _ in range(REPEATS):
-        start = time.perf_counter()
-        for _ in range(ITERS):
-            out = f(*args)
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - start) / ITERS * 1e6)
-    return statistics.median(samples)
+        for (f, args), n, out in zip(cases, iters, samples):
+            out.append(_sample(f, args, n))
+    return [statistics.median(s) for s in samples]
 
 
 def time_nvmath(m, k, n, dtype, bias_dtype, activation) -> tuple[float, float] | None:
@@ -108,19 +135,19 @@ def bench_single(rows):
         b = jnp.asarray(rng.standard_normal(n), bias_dtype)
         for activation in ("relu", "gelu"):
             act = _act(activation)
-            fused = jax.jit(partial(fused_dense, activation=activation))
+            fused = jax.jit(partial(fused_dense, activation=activation, implementation="cublaslt"))
             xla = jax.jit(lambda x, w, b, act=act: act(x @ w + b).astype(x.dtype))
+            jax.block_until_ready(xla(x, w, b))  # compiled outside the handler's count
             calls0, ns0, res0 = _ffi.handler_stats()
-            t_fused = time_jax(fused, x, w, b)
+            t_fused, t_xla = time_jax_interleaved((fused, (x, w, b)), (xla, (x, w, b)))
             calls1, ns1, res1 = _ffi.handler_stats()
-            t_xla = time_jax(xla, x, w, b)
             nv = time_nvmath(m, k, n, dtype, bias_dtype, activation)
             handler_us = (ns1 - ns0) / max(1, calls1 - calls0) / 1e3
             # Four independent layers per jitted call: dispatch is amortised, so these
             # rows show the GPU's time per layer rather than the host's per call.
             xs = jnp.stack([x * (1 + i / 8) for i in range(4)])
             four = [jax.jit(lambda xs, w, b, g=g: [g(xs[i], w, b) for i in range(4)]) for g in (fused, xla)]
-            t_fused4, t_xla4 = (time_jax(g, xs, w, b) / 4 for g in four)
+            t_fused4, t_xla4 = (t / 4 for t in time_jax_interleaved(*((g, (xs, w, b)) for g in four)))
             row = dict(
                 shape=f"{m}x{k}->{n}", dtype=f"{dtype}/{bias_dtype} bias", activation=activation,
                 fused_us=t_fused, xla_us=t_xla, fused_in4_us=t_fused4, xla_in4_us=t_xla4,
@@ -141,6 +168,17 @@ def _chain(layer, depth=16):
     return jax.jit(f)
 
 
+_RUNS = [0]  # calls of _counted functions
+
+
+def _counted(f):
+    def g(*args):
+        _RUNS[0] += 1
+        return f(*args)
+
+    return g
+
+
 def bench_chain(rows, depth=16):
     for m, k in ((256, 1024), (2048, 1024)):
         rng = np.random.default_rng(2)
@@ -149,13 +187,14 @@ def bench_chain(rows, depth=16):
         bs = jnp.asarray(rng.standard_normal((depth, k)) * 0.1, jnp.bfloat16)
         for activation in ("relu", "gelu"):
             act = _act(activation)
-            fused = _chain(partial(fused_dense, activation=activation), depth)
+            fused = _chain(partial(fused_dense, activation=activation, implementation="cublaslt"), depth)
             xla = _chain(lambda x, w, b, act=act: act(x @ w + b), depth)
+            jax.block_until_ready(xla(x, ws, bs))
             calls0, ns0, res0 = _ffi.handler_stats()
-            t_fused = time_jax(fused, x, ws, bs)
+            runs0 = _RUNS[0]
+            t_fused, t_xla = time_jax_interleaved((_counted(fused), (x, ws, bs)), (xla, (x, ws, bs)))
             calls1, ns1, res1 = _ffi.handler_stats()
-            t_xla = time_jax(xla, x, ws, bs)
-            launched = (2 + REPEATS * ITERS) * depth  # layer executions in time_jax
+            launched = (_RUNS[0] - runs0) * depth  # layer executions of the fused chain
             row = dict(
                 chain=f"{depth}x {m}x{k}->{k}", activation=activation, fused_us=t_fused,
                 xla_us=t_xla, handler_calls=calls1 - calls0, layer_runs=launched,

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # The project's GPU check, run on the device in one call:
-#   the whole test suite (on a GPU every fused_dense test runs the cuBLASLt path),
-#   the quickstart, the host-overhead probe, the forward benchmark with XLA command buffers
-#   off and on, then the short tables. Everything is written to $OUT (6 files).
+#   the test suite (on a GPU every fused_dense test runs the cuBLASLt path), the quickstart,
+#   the host-overhead probe, the forward benchmark with XLA command buffers off and on, the
+#   training benchmark (fwd+bwd rows, transformer example), then the short tables.
+#   Everything is written to $OUT (8 files).
+# Knobs: TESTS (pytest selection, default tests/), SKIP_BENCH=1, FORWARD_LABELS (default
+# "cmdbuf-off cmdbuf-on"), SKIP_TRAINING=1.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/jax_epilog_gpu_check}
@@ -12,17 +15,31 @@ status=0
 {
   nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
   python3 examples/quickstart.py && python3 -m benchmarks.host_overhead
+  # The digits example on the GPU; a fallback to XLA's path would be an error here.
+  python3 -c "import runpy, sys, warnings, jax_epilog
+warnings.simplefilter('error', jax_epilog.FastPathWarning)
+sys.argv = ['examples/train_digits_mlp.py']
+runpy.run_path(sys.argv[0], run_name='__main__')" 2>&1 | tr '\r' '\n' | tail -n 4
 } >"$OUT/checks.txt" 2>&1 || status=1
 cat "$OUT/checks.txt"
-python3 -m pytest -q -p no:cacheprovider tests/ >"$OUT/pytest.log" 2>&1 || status=1
+# shellcheck disable=SC2086
+python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/} >"$OUT/pytest.log" 2>&1 || status=1
 tail -n 15 "$OUT/pytest.log"
 
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
-  XLA_FLAGS="--xla_gpu_enable_command_buffer=" python3 -m benchmarks.forward --out "$OUT" --part all \
-    --label cmdbuf-off >"$OUT/bench.log" 2>&1 || status=1
-  python3 -m benchmarks.forward --out "$OUT" --part all --label cmdbuf-on >>"$OUT/bench.log" 2>&1 || status=1
-  grep -E "plans made|Error" "$OUT/bench.log"
-  python3 -m benchmarks.report "$OUT"/forward-cmdbuf-on.json "$OUT"/forward-cmdbuf-off.json | tee "$OUT/forward.md"
+  : >"$OUT/bench.log"
+  for label in ${FORWARD_LABELS:-cmdbuf-off cmdbuf-on}; do
+    flags=""
+    [ "$label" = cmdbuf-off ] && flags="--xla_gpu_enable_command_buffer="
+    XLA_FLAGS="$flags" python3 -m benchmarks.forward --out "$OUT" --part all --label "$label" \
+      >>"$OUT/bench.log" 2>&1 || status=1
+  done
+  if [ "${SKIP_TRAINING:-0}" != 1 ]; then
+    python3 -m benchmarks.training --out "$OUT" >>"$OUT/bench.log" 2>&1 || status=1
+  fi
+  grep -E "plans made|Error|Warning" "$OUT/bench.log" | sort | uniq -c | head -20
+  python3 -m benchmarks.report "$OUT"/forward-*.json | tee "$OUT/forward.md"
+  [ -f "$OUT/training.md" ] && cat "$OUT/training.md"
 fi
 grep -E "passed|failed" "$OUT/pytest.log" | tail -n 1
 exit $status

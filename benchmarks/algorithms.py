@@ -1,0 +1,145 @@
+"""How much the algorithm choice matters: cuBLASLt's heuristic candidates timed one by one.
+
+    python -m benchmarks.algorithms
+
+For each epilog of the forward (and the backward's kernel-gradient GEMM, with and without
+the BGRADA bias-gradient epilog) at two transformer shapes, this plans the problem as
+jax_epilog does (``_nvmath.Plan``, heuristic first choice), then times on the GPU (CUDA
+events, median of 5 x 40 launches, bf16, random operands): the heuristic's first choice,
+the best of its top 8, the same with any split-K reduction scheme and 1 GiB of workspace
+allowed, and nvmath's own first choice. The last line per shape times XLA's GEMMs for the
+backward (jitted, back to back). This measurement is why plans made at lowering time are
+autotuned (``_nvmath.Plan._time_candidates``). Results: benchmarks/results/*/algorithms.txt.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import cupy as cp
+import jax
+import jax.numpy as jnp
+import numpy as np
+from nvmath.bindings import cublasLt
+from nvmath.linalg._internal import matmul_pref_ifc
+
+from jax_epilog import _nvmath
+from jax_epilog._epilogs import EpilogSpec
+
+SHAPES = [(8192, 1024, 4096), (8192, 4096, 1024)]
+EPILOGS = ["RELU_BIAS", "RELU_AUX_BIAS", "GELU_BIAS", "GELU_AUX_BIAS", "BGRADA", "DEFAULT_WGRAD"]
+
+
+def candidates(plan, count, any_reduction=False, workspace=64 << 20):
+    pref = cublasLt.matmul_preference_create()
+    ifc = matmul_pref_ifc.MatmulPreferenceInterface(pref)
+    ifc.max_workspace_bytes = workspace
+    if not any_reduction:
+        ifc.reduction_scheme_mask = cublasLt.ReductionScheme.COMPUTE_TYPE
+    for operand in "abcd":
+        setattr(ifc, f"min_alignment_{operand}_bytes", 256)
+    result = cublasLt.MatmulHeuristicResult(count)
+    found = np.zeros(1, np.int32)
+    cublasLt.matmul_algo_get_heuristic(
+        plan._handle, plan._desc, *plan._layouts, pref, count, result.ptr, found.ctypes.data
+    )
+    cublasLt.matmul_preference_destroy(pref)
+    return result[: found[0]]
+
+
+class Timer:
+    def __init__(self):
+        self.stream = cp.cuda.Stream(non_blocking=True)
+        self.keep = []  # operands and algorithm structs, alive until the end
+
+    def buffer(self, nbytes: int) -> int:
+        data = (cp.random.standard_normal(nbytes // 2 + 8, dtype=cp.float32) * 0.05).astype(cp.float16)
+        self.keep.append(data)
+        return data.data.ptr
+
+    def gpu_us(self, launch, n=40) -> float:
+        launch()
+        launch()
+        self.stream.synchronize()
+        samples = []
+        for _ in range(5):
+            start, end = cp.cuda.Event(), cp.cuda.Event()
+            start.record(self.stream)
+            for _ in range(n):
+                launch()
+            end.record(self.stream)
+            end.synchronize()
+            samples.append(cp.cuda.get_elapsed_time(start, end) * 1e3 / n)
+        return statistics.median(samples)
+
+    def time_algorithm(self, plan, record, pointers) -> float:
+        a, b, bias, d, aux = pointers
+        ws_size = int(np.max(record["workspace_size"])) + 16
+        workspace = cp.cuda.alloc(ws_size)
+        algo = record["algo"]
+        self.keep += [workspace, algo]
+        layouts = plan._layouts
+        for value, attr, slot in ((bias, plan._bias_attr, 0), (aux, plan._aux_attr, 1)):
+            if value:
+                plan._ptr_buf[slot] = value
+                cublasLt.matmul_desc_set_attribute(plan._desc, attr, plan._ptr_buf.ctypes.data + 8 * slot, 8)
+
+        def launch():
+            cublasLt.matmul(
+                plan._handle, plan._desc, plan._alpha, a, layouts[0], b, layouts[1], plan._beta,
+                d, layouts[2], d, layouts[3], algo.ctypes.data, workspace.ptr, ws_size, self.stream.ptr,
+            )  # fmt: skip
+
+        return self.gpu_us(launch)
+
+
+def jax_us(f, *args, n=50) -> float:
+    jax.block_until_ready(f(*args))
+    samples = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(n):
+            out = f(*args)
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - start) / n * 1e6)
+    return statistics.median(samples)
+
+
+def main():
+    timer = Timer()
+    for m, k, n in SHAPES:
+        for name in EPILOGS:
+            problem = "wgrad" if name in ("BGRADA", "DEFAULT_WGRAD") else "forward"
+            epilog = "DEFAULT" if name == "DEFAULT_WGRAD" else name
+            bias_dtype = None if epilog == "DEFAULT" else "bfloat16"
+            spec = EpilogSpec(m, n, k, epilog, "COMPUTE_32F", "bfloat16", bias_dtype, "bfloat16", problem)
+            plan = _nvmath.Plan(spec, 0, 256)
+            buf = timer.buffer
+            if problem == "forward":
+                ptrs = (buf(k * n * 2), buf(m * k * 2), buf(n * 2), buf(m * n * 2), buf(m * n * 2) if spec.has_aux else 0)
+            else:
+                ptrs = (buf(m * n * 2), buf(m * k * 2), buf(n * 2) if bias_dtype else 0, buf(k * n * 2), 0)
+            ours = [timer.time_algorithm(plan, c, ptrs) for c in candidates(plan, 8)]
+            wide = [timer.time_algorithm(plan, c, ptrs) for c in candidates(plan, 8, True, 1 << 30)]
+            nv = timer.time_algorithm(plan, plan._mm.algorithms_buffer[0], ptrs)
+            print(
+                f"{m}x{k}->{n} {name:14s} ours(top1) {ours[0]:7.1f} best-of-{len(ours)} {min(ours):7.1f} "
+                f"(idx {int(np.argmin(ours))}) any-reduction top1 {wide[0]:7.1f} best {min(wide):7.1f}  "
+                f"nvmath-top1 {nv:7.1f}  TF/s best {2 * m * n * k / min(ours) / 1e6:.0f}",
+                flush=True,
+            )
+        x = jnp.ones((m, k), jnp.bfloat16) * 0.01
+        dz = jnp.ones((m, n), jnp.bfloat16) * 0.01
+        w = jnp.ones((k, n), jnp.bfloat16)
+        print(
+            f"{m}x{k}->{n} XLA wgrad x.T@dz {jax_us(jax.jit(lambda x, dz: x.T @ dz), x, dz):.1f}  "
+            f"wgrad+sum {jax_us(jax.jit(lambda x, dz: (x.T @ dz, dz.sum(0))), x, dz):.1f}  "
+            f"dgrad dz@w.T {jax_us(jax.jit(lambda dz, w: dz @ w.T), dz, w):.1f}  "
+            f"fwd plain x@w {jax_us(jax.jit(lambda x, w: x @ w), x, w):.1f}",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,958 @@
+"""The benchmark suite: every contender on every shape, in one command.
+
+    python -m benchmarks.run [--quick | --full] [--out DIR] [--dry-run] [--cpu-smoke]
+
+Writes ``<out>/<UTC date>-<gpu slug>.json``, its Markdown rendering beside it (``.md``) and,
+when matplotlib is importable, two plots (``benchmarks/plot.py``). Contenders: fused_dense
+(forward, and forward+backward), XLA's jit of ``act(x @ w + b)`` with default flags and, in a
+second process, with ``--xla_gpu_enable_cublaslt=true``, PyTorch eager in three spellings,
+nvmath-python's ``Matmul`` called from CuPy, plus the machine's matmul and copy ceilings and
+the host cost per call. The method is in benchmarks/README.md.
+
+``--dry-run`` lists the measurements and an H200 time estimate without timing anything;
+``--cpu-smoke`` divides every dimension by 64 and takes two samples of two calls, so the
+whole code path runs on a CPU (torch and nvmath rows then say why they were skipped).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import inspect
+import json
+import math
+import os
+import platform
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from functools import partial
+from pathlib import Path
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import forward
+from jax_epilog import FastPathWarning, _ffi, fused_dense
+
+REPO = Path(__file__).resolve().parents[1]
+CUBLASLT_FLAG = "--xla_gpu_enable_cublaslt=true"
+TF32 = "COMPUTE_32F_FAST_TF32"
+HAS_IMPLEMENTATION = "implementation" in inspect.signature(fused_dense).parameters
+
+# ------------------------------------------------------------------------------- the plan
+
+
+class Case(NamedTuple):
+    """One problem and mode; every contender is timed on it."""
+
+    m: int
+    k: int
+    n: int
+    dtype: str
+    bias_dtype: str
+    activation: str  # "relu", "gelu" or "none"
+    mode: str  # "fwd" or "fwd+bwd"
+    compute_type: str | None = None  # fused_dense's default when None
+
+    @property
+    def shape(self) -> str:
+        return f"{self.m}x{self.k}->{self.n}"
+
+
+KEY_FIELDS = ("shape", "dtype", "bias_dtype", "compute_type", "activation", "mode")
+
+
+def row_key(row: dict) -> tuple:
+    """What identifies a results row's case."""
+    return tuple(row.get(field) for field in KEY_FIELDS)
+
+
+TRANSFORMER = ((1024, 4096), (4096, 16384), (4096, 1024), (16384, 4096))  # (K, N) at M=8192
+ALL_ACTS, RELU_GELU = ("relu", "gelu", "none"), ("relu", "gelu")
+
+
+def plan(full: bool) -> list[Case]:
+    """The cases of --quick (full=False) or --full, in the order they run."""
+    cases: list[Case] = []
+
+    def add(m, k, n, dtype, bias_dtype=None, acts=ALL_ACTS, backward=False, compute_type=None):
+        for act in acts:
+            for mode in ("fwd", "fwd+bwd") if backward else ("fwd",):
+                cases.append(Case(m, k, n, dtype, bias_dtype or dtype, act, mode, compute_type))
+
+    add(256, 784, 100, "float16", "float32", backward=full)  # the seed layer
+    for k, n in TRANSFORMER if full else TRANSFORMER[:3]:
+        for dtype in ("bfloat16", "float16") if full else ("bfloat16",):
+            acts = ALL_ACTS if full or (k, n) == (1024, 4096) else RELU_GELU
+            add(8192, k, n, dtype, acts=acts, backward=True)
+    for m in (16, 64, 128) if full else (64,):  # small-batch inference
+        add(m, 4096, 16384, "bfloat16", acts=ALL_ACTS if full else RELU_GELU)
+    add(1000, 1000, 1003, "bfloat16", acts=ALL_ACTS if full else RELU_GELU, backward=full)
+    if full:
+        for compute_type in (None, TF32):
+            add(8192, 1024, 4096, "float32", backward=True, compute_type=compute_type)
+    return cases
+
+
+def shrink(case: Case, factor: int) -> Case:
+    """The same case with every dimension divided by factor (for --cpu-smoke)."""
+    return case._replace(m=max(1, case.m // factor), k=max(1, case.k // factor), n=max(1, case.n // factor))
+
+
+TORCH = ("torch_matmul_add", "torch_linear", "torch_addmm_act")
+
+
+def contenders(mode: str, with_auto: bool = HAS_IMPLEMENTATION) -> list[str]:
+    names = ["jax_epilog", *(["jax_epilog_auto"] if with_auto else []), "xla", "xla_cublaslt"]
+    return names + ([*TORCH, "nvmath"] if mode == "fwd" else [])
+
+
+def jobs(cases: list[Case], with_auto: bool = HAS_IMPLEMENTATION) -> list[tuple[Case, str]]:
+    return [(case, name) for case in cases for name in contenders(case.mode, with_auto)]
+
+
+def flops(case: Case) -> int:
+    """2·M·N·K for the forward, three GEMMs' worth (6·M·N·K) with the backward."""
+    return (2 if case.mode == "fwd" else 6) * case.m * case.n * case.k
+
+
+def tflops(case: Case, us: float) -> float:
+    return flops(case) / us / 1e6
+
+
+ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def operand_bytes(case: Case) -> int:
+    """x, kernel, bias and the output, in bytes."""
+    item = ITEMSIZE[case.dtype]
+    return item * (case.m * case.k + case.k * case.n + case.m * case.n) + ITEMSIZE[case.bias_dtype] * case.n
+
+
+def input_copies(case: Case) -> int:
+    """Distinct input sets to rotate through, so no call finds its operands warm in L2."""
+    return 3 if operand_bytes(case) < 200e6 else 2
+
+
+# --------------------------------------------------------------------------------- timing
+
+
+@dataclass(frozen=True)
+class Settings:
+    samples: int = 5  # timed batches; the row reports their median
+    min_calls: int = 20  # calls per batch, at least
+    sample_s: float = 0.02  # and at least this long
+    warmup: int = 2
+    max_calls: int = 50_000
+
+
+QUICK, FULL = Settings(samples=5), Settings(samples=7)
+SMOKE = Settings(samples=2, min_calls=2, sample_s=0.0, warmup=1)
+
+
+class Timing(NamedTuple):
+    us: float  # median µs per call
+    samples: int
+    iters: int  # calls per sample
+    calls: int  # calls made in all, warm-up included
+
+
+def measure(call, clock, settings: Settings) -> Timing:
+    """Time ``call(i)`` (the i-th call; it picks its own input set) in batches.
+
+    Each batch issues back-to-back calls between ``clock.start()`` and
+    ``clock.stop(last_output)``, which synchronises. After warm-up a first batch of
+    ``min_calls`` calls sets the batch length so that each batch lasts ``sample_s``.
+    """
+    made = 0
+
+    def batch(count: int) -> float:
+        nonlocal made
+        out = None
+        clock.start()
+        for i in range(made, made + count):
+            out = call(i)
+        made += count
+        return clock.stop(out)
+
+    batch(settings.warmup)
+    iters = settings.min_calls
+    first = batch(iters)
+    if first < settings.sample_s:
+        iters = min(settings.max_calls, math.ceil(iters * 1.1 * settings.sample_s / max(first, 1e-9)))
+    seconds = [batch(iters) / iters for _ in range(settings.samples)]
+    return Timing(statistics.median(seconds) * 1e6, len(seconds), iters, made)
+
+
+class WallClock:
+    """The host's clock around dispatched JAX calls, read after block_until_ready."""
+
+    def start(self) -> None:
+        self._t0 = time.perf_counter()
+
+    def stop(self, out) -> float:
+        jax.block_until_ready(out)
+        return time.perf_counter() - self._t0
+
+
+class EventClock:
+    """CUDA events on the current stream (torch's or CuPy's)."""
+
+    def __init__(self, new_event, elapsed_ms):
+        self._new, self._elapsed_ms = new_event, elapsed_ms
+
+    def start(self) -> None:
+        self._begin = self._new()
+        self._begin.record()
+
+    def stop(self, out) -> float:
+        end = self._new()
+        end.record()
+        end.synchronize()
+        return self._elapsed_ms(self._begin, end) / 1e3
+
+
+# --------------------------------------------------------------------------------- inputs
+
+
+def _np_dtype(name: str):
+    import ml_dtypes
+
+    return ml_dtypes.bfloat16 if name == "bfloat16" else np.dtype(name)
+
+
+def host_operands(m: int, k: int, n: int, seed: int = 0) -> tuple[np.ndarray, ...]:
+    """float32 x (m, k), kernel (k, n) scaled by 1/sqrt(k), bias (n,)."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((m, k), dtype=np.float32)
+    w = rng.standard_normal((k, n), dtype=np.float32) / np.float32(np.sqrt(k))
+    return x, w, rng.standard_normal(n, dtype=np.float32)
+
+
+class Inputs:
+    """One problem's operands: float32 host arrays and, per framework (on first use), a
+    list of distinct device copies holding the same values: uploaded once, copied on the
+    device."""
+
+    def __init__(self, case: Case, host: tuple[np.ndarray, ...] | None = None):
+        self.problem = (case.m, case.k, case.n, case.dtype, case.bias_dtype)
+        self.host = host_operands(case.m, case.k, case.n) if host is None else host
+        self.dtype, self.bias_dtype, self.copies = case.dtype, case.bias_dtype, input_copies(case)
+        self._made: dict[str, list] = {}
+
+    def _sets(self, framework: str, upload, clone, operands=None) -> list[tuple]:
+        if framework not in self._made:
+            left, right, bias = operands or self.host
+            first = (upload(left, self.dtype), upload(right, self.dtype), upload(bias, self.bias_dtype))
+            rest = [tuple(clone(array) for array in first) for _ in range(self.copies - 1)]
+            self._made[framework] = [first, *rest]
+        return self._made[framework]
+
+    def jax(self) -> list[tuple]:
+        return self._sets("jax", jnp.asarray, jnp.copy)
+
+    def torch(self, torch) -> list[tuple]:
+        def upload(a, dtype):
+            return torch.from_numpy(a).to("cuda", getattr(torch, dtype))
+
+        return self._sets("torch", upload, lambda t: t.clone())
+
+    def cupy_transposed(self, cp) -> list[tuple]:
+        """(kernelᵀ, xᵀ, bias) as column-major CuPy views of the row-major data, so that
+        cuBLASLt's (N×K)·(K×M) product is yᵀ and its per-row bias is our (N,) bias."""
+        x, w, b = self.host
+        upload = partial(_cupy_upload, cp)
+        return self._sets("cupy", upload, partial(_cupy_clone, cp), operands=(w.T, x.T, b))
+
+
+# CuPy arrays are built from raw bytes, as in forward.time_nvmath: CuPy has no bfloat16
+# conversions or copy kernels of its own.
+def _cupy_upload(cp, host: np.ndarray, dtype: str):
+    """host (contiguous in either order) on the device with the same shape and strides."""
+    data = host.astype(_np_dtype(dtype), order="K")
+    raw = cp.asarray(np.ravel(data, order="K").view(np.uint8))
+    return cp.ndarray(data.shape, data.dtype, raw.data, strides=data.strides)
+
+
+def _cupy_clone(cp, a):
+    raw = cp.empty(a.nbytes, cp.uint8)
+    raw.data.copy_from_device(a.data, a.nbytes)
+    return cp.ndarray(a.shape, a.dtype, raw.data, strides=a.strides)
+
+
+# ----------------------------------------------------------------------------- contenders
+
+
+class Skip(Exception):
+    """A contender cannot run here; the message says why."""
+
+
+def _jax_act(name: str):
+    if name == "none":
+        return lambda z: z
+    return jax.nn.relu if name == "relu" else partial(jax.nn.gelu, approximate=True)
+
+
+def jax_program(case: Case, contender: str):
+    """The un-jitted function a JAX contender times: forward, or the gradient of a sum."""
+    if contender.startswith("jax_epilog"):
+        options = {"activation": None if case.activation == "none" else case.activation}
+        options["compute_type"] = case.compute_type
+        if HAS_IMPLEMENTATION:  # "jax_epilog" is the fused kernel; "_auto" the measured rule
+            options["implementation"] = "auto" if contender == "jax_epilog_auto" else "cublaslt"
+        fwd = partial(fused_dense, **options)
+    else:
+        act = _jax_act(case.activation)
+        precision = None
+        if case.dtype == "float32":  # the arithmetic fused_dense is asked for, not XLA's default
+            tf32 = jax.lax.DotAlgorithmPreset.TF32_TF32_F32
+            precision = tf32 if case.compute_type == TF32 else jax.lax.Precision.HIGHEST
+
+        def fwd(x, w, b):
+            return act(jnp.matmul(x, w, precision=precision) + b).astype(x.dtype)
+
+    if case.mode == "fwd":
+        return fwd
+    return jax.grad(lambda x, w, b: jnp.sum(fwd(x, w, b).astype(jnp.float32)), argnums=(0, 1, 2))
+
+
+def bench_jax(case: Case, contender: str, inputs: Inputs, settings: Settings):
+    program = jax.jit(jax_program(case, contender))
+    sets = inputs.jax()
+    runs_before = _ffi.handler_stats()[0]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", FastPathWarning)
+        timing = measure(lambda i: program(*sets[i % len(sets)]), WallClock(), settings)
+    extra = {}
+    if contender.startswith("jax_epilog"):
+        extra["handler_runs"] = _ffi.handler_stats()[0] - runs_before
+        fell_back = [str(w.message) for w in caught if issubclass(w.category, FastPathWarning)]
+        if fell_back:
+            extra["note"] = fell_back[0]
+    return timing, extra
+
+
+def _import_torch():
+    try:
+        import torch
+    except ImportError as exc:
+        raise Skip(f"torch is not importable ({exc})") from None
+    if not torch.cuda.is_available():
+        raise Skip("torch has no CUDA device")
+    return torch
+
+
+def torch_program(torch, contender: str, activation: str):
+    F = torch.nn.functional
+    act = {"relu": torch.relu, "gelu": partial(F.gelu, approximate="tanh"), "none": lambda z: z}[activation]
+    if contender == "torch_matmul_add":  # three kernels (two without an activation)
+        return lambda x, w, b: act(torch.matmul(x, w) + b).to(x.dtype)  # .to: a no-op unless b is wider
+    if contender == "torch_linear":
+        return lambda x, w, b: act(F.linear(x, w.t(), b))  # w.t() is a view: linear wants (N, K)
+    if activation == "none":
+        return lambda x, w, b: torch.addmm(b, x, w)  # _addmm_activation always applies one
+    use_gelu = activation == "gelu"
+    return lambda x, w, b: torch._addmm_activation(b, x, w, use_gelu=use_gelu)
+
+
+def bench_torch(case: Case, contender: str, inputs: Inputs, settings: Settings):
+    torch = _import_torch()
+    program = torch_program(torch, contender, case.activation)
+    sets = inputs.torch(torch)
+    clock = EventClock(partial(torch.cuda.Event, enable_timing=True), lambda a, b: a.elapsed_time(b))
+    tf32_before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = case.compute_type == TF32
+    try:
+        with torch.no_grad():
+            return measure(lambda i: program(*sets[i % len(sets)]), clock, settings), {}
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32_before
+
+
+NVMATH_EPILOG = {"relu": "RELU_BIAS", "gelu": "GELU_BIAS", "none": "BIAS"}
+
+
+def bench_nvmath(case: Case, contender: str, inputs: Inputs, settings: Settings):
+    """nvmath's stateful Matmul, planned once per input set, execute() back to back: the
+    forward benchmark's nvmath row (forward.time_nvmath) generalised to every case."""
+    try:
+        import cupy as cp
+        from nvmath.linalg.advanced import Matmul, MatmulComputeType, MatmulEpilog
+    except ImportError as exc:
+        raise Skip(f"nvmath-python or cupy is not importable ({exc})") from None
+    options = {"compute_type": MatmulComputeType[case.compute_type]} if case.compute_type else None
+    epilog = MatmulEpilog[NVMATH_EPILOG[case.activation]]
+    plans = []
+    try:
+        for w_t, x_t, b in inputs.cupy_transposed(cp):
+            plans.append(Matmul(w_t, x_t, options=options))
+            plans[-1].plan(epilog=epilog, epilog_inputs={"bias": b})
+        clock = EventClock(cp.cuda.Event, cp.cuda.get_elapsed_time)
+        return measure(lambda i: plans[i % len(plans)].execute(), clock, settings), {}
+    finally:
+        for mm in plans:
+            mm.free()
+
+
+BENCH = {"nvmath": bench_nvmath, **{name: bench_torch for name in TORCH}}
+
+
+ROW_CASE_FIELDS = ("shape", "m", "k", "n", "dtype", "bias_dtype", "compute_type", "activation", "mode")
+
+
+def make_row(case: Case, contender: str, timing: Timing | None = None, skipped: str | None = None, **extra):
+    row = {field: getattr(case, field) for field in ROW_CASE_FIELDS}
+    row.update(contender=contender, us=None, samples=0, tflops=None, skipped=skipped)
+    if timing is not None:
+        row.update(us=timing.us, samples=timing.samples, iters=timing.iters, tflops=tflops(case, timing.us))
+    row.update(extra)
+    return row
+
+
+def failure_reason(exc: BaseException) -> str:
+    """The last line of a traceback: the exception's type and the first line of its message."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:300]
+
+
+def run_one(case: Case, contender: str, inputs: Inputs, settings: Settings) -> dict:
+    """Time one contender on one case; any failure becomes a row with its reason."""
+    bench = BENCH.get(contender, bench_jax)
+    try:
+        timing, extra = bench(case, contender, inputs, settings)
+        return make_row(case, contender, timing, **extra)
+    except Skip as exc:
+        return make_row(case, contender, skipped=str(exc))
+    except Exception as exc:  # noqa: BLE001 -- one failing contender must not end the run
+        return make_row(case, contender, skipped=failure_reason(exc))
+
+
+class Progress:
+    def __init__(self, total: int, prefix: str = ""):
+        self.total, self.done, self.prefix = total, 0, prefix
+
+    def report(self, label: str, result: str) -> None:
+        self.done += 1
+        print(f"[{self.prefix}{self.done}/{self.total}] {label}: {result}", flush=True)
+
+
+def _ct(case: Case) -> str:
+    return f" {case.compute_type}" if case.compute_type else ""
+
+
+def describe(row: dict) -> str:
+    if row["skipped"]:
+        return f"skipped: {row['skipped']}"
+    return f"{row['us']:.1f} µs, {_tf(row['tflops'])} TF/s ({row['samples']} x {row['iters']} calls)"
+
+
+def run_jobs(todo: list[tuple[Case, str]], settings: Settings, progress: Progress, on_row=None) -> list[dict]:
+    rows, inputs = [], None
+    for case, contender in todo:
+        problem = (case.m, case.k, case.n, case.dtype, case.bias_dtype)
+        if inputs is None or inputs.problem != problem:
+            # Host data is reused across dtypes; the last problem's device copies are
+            # dropped before the next are made.
+            same_shape = inputs is not None and inputs.problem[:3] == problem[:3]
+            host = inputs.host if same_shape else None
+            inputs = None
+            inputs = Inputs(case, host)
+        row = run_one(case, contender, inputs, settings)
+        rows.append(row)
+        progress.report(
+            f"{case.shape} {case.dtype}{_ct(case)} {case.activation} {case.mode} {contender}", describe(row)
+        )
+        if on_row is not None:
+            on_row(rows)
+    return rows
+
+
+# ------------------------------------------------------- XLA with cuBLASLt, a second process
+
+
+def run_xla_only(todo, settings: Settings, rows_out: str) -> None:
+    """The child's work: the "xla" contender on every case, rows rewritten after each."""
+    versions = forward.versions()
+
+    def save(rows):
+        with open(rows_out, "w") as fh:
+            json.dump({"versions": versions, "rows": rows}, fh)
+
+    run_jobs([(case, "xla") for case, _ in todo], settings, Progress(len(todo), "xla_cublaslt "), save)
+
+
+def launch_xla_cublaslt(mode_flags: list[str]) -> tuple[list[dict], dict, str | None]:
+    """Run the child with cuBLASLt enabled in XLA: (its rows, its versions, why it failed)."""
+    env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {CUBLASLT_FLAG}".strip())
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rows.json")
+        cmd = [sys.executable, "-m", "benchmarks.run", "--xla-only", "--rows-out", out, *mode_flags]
+        print(f"XLA_FLAGS='{env['XLA_FLAGS']}' {shlex.join(cmd)}", flush=True)
+        try:
+            code = subprocess.run(cmd, env=env, cwd=REPO, check=False).returncode
+        except OSError as exc:
+            return [], {}, f"could not start the --xla-only process: {failure_reason(exc)}"
+        reason = None if code == 0 else f"the --xla-only process exited with status {code}"
+        try:
+            with open(out) as fh:
+                data = json.load(fh)
+        except (OSError, ValueError):
+            return [], {}, reason or "the --xla-only process wrote no results"
+    return data["rows"], data["versions"], reason
+
+
+def merge_xla_rows(rows: list[dict], child_rows: list[dict], reason: str | None) -> list[dict]:
+    """Put the child's "xla" rows, renamed "xla_cublaslt", after our "xla" row of each case;
+    a case the child did not report gets a skipped row."""
+    theirs = {row_key(r): r for r in child_rows if r["contender"] == "xla"}
+    merged = []
+    for row in rows:
+        merged.append(row)
+        if row["contender"] != "xla":
+            continue
+        child = theirs.get(row_key(row))
+        if child is None:
+            why = reason or "no result from the --xla-only process"
+            child = {field: row[field] for field in ROW_CASE_FIELDS}
+            child.update(us=None, samples=0, tflops=None, skipped=why)
+        merged.append({**child, "contender": "xla_cublaslt"})
+    return merged
+
+
+# ------------------------------------------------------------------- ceilings, host cost
+
+
+def bench_ceiling(settings: Settings, scale: int, progress: Progress) -> dict:
+    size = 8192 // scale
+    a, b = (jax.random.normal(jax.random.key(i), (size, size), jnp.bfloat16) for i in range(2))
+    matmul = jax.jit(jnp.matmul)
+    t = measure(lambda i: matmul(a, b), WallClock(), settings)
+    mm = {
+        "shape": f"{size}x{size}x{size}",
+        "dtype": "bfloat16",
+        "us": t.us,
+        "tflops": 2 * size**3 / t.us / 1e6,
+    }
+    progress.report(f"ceiling: {mm['shape']} bf16 matmul", f"{mm['us']:.1f} µs, {mm['tflops']:.1f} TF/s")
+    nbytes = (1 << 30) // scale
+    v = jnp.zeros(nbytes // 4, jnp.float32)
+    add_one = jax.jit(lambda v: v + 1)  # reads and writes every byte once
+    t = measure(lambda i: add_one(v), WallClock(), settings)
+    copy = {"what": "jit(v + 1), float32", "bytes": nbytes, "us": t.us, "gbps": 2 * nbytes / t.us / 1e3}
+    progress.report(
+        f"ceiling: copy {nbytes >> 20} MiB", f"{copy['us']:.1f} µs, {copy['gbps']:.0f} GB/s (read+write)"
+    )
+    return {"matmul": mm, "copy": copy}
+
+
+def guarded(bench, *args) -> dict:
+    """bench(*args), or {"skipped": reason} if it fails: the rest of the run goes on."""
+    try:
+        return bench(*args)
+    except Exception as exc:  # noqa: BLE001
+        print(f"{bench.__name__} failed: {failure_reason(exc)}", flush=True)
+        return {"skipped": failure_reason(exc)}
+
+
+def command_buffer_verdict(handler_runs: int, layer_runs: int, on_gpu: bool) -> str:
+    """Read handler executions against layer executions: XLA runs a captured command
+    buffer (a CUDA graph) without calling our handler, so few runs means captured."""
+    if not on_gpu:
+        return "n/a (no GPU: the CPU path has no handler)"
+    if handler_runs == 0:
+        return "handler never ran (fused path not used?)"
+    if handler_runs * 10 <= layer_runs:
+        return "captured (handler ran only while XLA recorded the graph)"
+    if handler_runs >= layer_runs:
+        return "not captured (handler ran for every layer)"
+    return "partly captured"
+
+
+def _handler_since(before: tuple[int, int, int]) -> tuple[int, float | None]:
+    runs, ns, _ = _ffi.handler_stats()
+    count = runs - before[0]
+    return count, ((ns - before[1]) / count / 1e3 if count else None)
+
+
+def _repeat(layer, steps: int):
+    """One jitted call that applies the same layer ``steps`` times in a loop."""
+
+    def f(x, w, b):
+        return jax.lax.fori_loop(0, steps, lambda _, y: layer(y, w, b), x)
+
+    return jax.jit(f)
+
+
+HOST_STEPS, CHAIN_DEPTH = 64, 16
+N_CEILING, N_HOST = 2, 4 + 2 * 2  # measurements, for the progress counter
+
+
+def bench_host(settings: Settings, scale: int, progress: Progress, on_gpu: bool) -> dict:
+    m, k = 256 // scale, 1024 // scale
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.standard_normal((m, k), dtype=np.float32), jnp.bfloat16)
+    ws = jnp.asarray(rng.standard_normal((CHAIN_DEPTH, k, k), dtype=np.float32) / np.sqrt(k), jnp.bfloat16)
+    bs = jnp.asarray(rng.standard_normal((CHAIN_DEPTH, k), dtype=np.float32), jnp.bfloat16)
+    layers = {
+        "jax_epilog": lambda act: partial(fused_dense, activation=act, implementation="cublaslt"),
+        "xla": lambda act: lambda x, w, b: _jax_act(act)(x @ w + b),
+    }
+    w, b = ws[0], bs[0]  # sliced once: a slice inside the timed loop would be a dispatch of its own
+    single = []
+    for name, layer in layers.items():
+        relu = layer("relu")
+        for what, program, steps in (
+            ("python loop of jitted calls", jax.jit(relu), 1),
+            (f"lax.fori_loop({HOST_STEPS}) in one jit", _repeat(relu, HOST_STEPS), HOST_STEPS),
+        ):
+            before = _ffi.handler_stats()
+            t = measure(lambda i, p=program: p(x, w, b), WallClock(), settings)
+            runs, host_us = _handler_since(before)
+            single.append(
+                {"what": what, "contender": name, "us_per_call": t.us / steps, "calls": t.calls * steps}
+                | {"handler_runs": runs, "handler_host_us": host_us}
+            )
+            progress.report(f"host: {m}x{k}->{k} relu {name}, {what}", f"{t.us / steps:.1f} µs per call")
+    chains = []
+    for act in RELU_GELU:
+        entry = {"layers": CHAIN_DEPTH, "shape": f"{m}x{k}->{k}", "activation": act}
+        for name, layer in layers.items():
+            chain = forward._chain(layer(act), CHAIN_DEPTH)
+            before = _ffi.handler_stats()
+            t = measure(lambda i, p=chain: p(x, ws, bs), WallClock(), settings)
+            runs, host_us = _handler_since(before)
+            entry[f"{name}_us"] = t.us
+            if name == "jax_epilog":
+                layer_runs = t.calls * CHAIN_DEPTH
+                verdict = command_buffer_verdict(runs, layer_runs, on_gpu)
+                entry.update(
+                    handler_runs=runs, layer_runs=layer_runs, handler_host_us=host_us, command_buffers=verdict
+                )
+            progress.report(
+                f"host: chain of {CHAIN_DEPTH} {m}x{k}->{k} {act} {name}", f"{t.us:.1f} µs per step"
+            )
+        chains.append(entry)
+    return {"single": single, "chain": chains}
+
+
+# ------------------------------------------------------------------------- results files
+
+
+def environment() -> dict:
+    import jaxlib
+
+    info = forward.versions()
+    info.update(jaxlib=jaxlib.__version__, platform=platform.platform())
+    info["driver"] = driver_version()
+    try:
+        import torch
+
+        info["torch"] = f"{torch.__version__} (CUDA {torch.version.cuda})"
+    except ImportError:
+        info["torch"] = None
+    info["jax_epilog_implementation_kw"] = HAS_IMPLEMENTATION
+    return info
+
+
+def driver_version() -> str | None:
+    query = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
+    try:
+        smi = subprocess.run(query, capture_output=True, text=True, timeout=30, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = smi.stdout.split()
+    return lines[0] if lines else None
+
+
+def gpu_slug(device_kind: str) -> str:
+    """'NVIDIA H200' -> 'nvidia-h200'."""
+    slug = re.sub(r"[^a-z0-9._]+", "-", device_kind.lower())  # spaces and anything odd
+    return slug.strip("-") or "device"
+
+
+def results_stem(out_dir: str, device_kind: str, today: datetime.date | None = None) -> str:
+    today = today or datetime.datetime.now(datetime.UTC).date()
+    return os.path.join(out_dir, f"{today.isoformat()}-{gpu_slug(device_kind)}")
+
+
+def _f(value, digits=1) -> str:
+    return "—" if value is None else f"{value:.{digits}f}"
+
+
+def _tf(value: float) -> str:
+    """TFLOP/s with about three significant digits."""
+    return f"{value:.0f}" if value >= 100 else f"{value:.1f}" if value >= 1 else f"{value:.2f}"
+
+
+def table_key(row: dict) -> tuple:
+    return (row["dtype"], row["bias_dtype"], row.get("compute_type"), row["mode"])
+
+
+def table_title(key: tuple) -> str:
+    dtype, bias_dtype, compute_type, mode = key
+    ct = f", {compute_type}" if compute_type else ""
+    return f"{dtype} ({bias_dtype} bias{ct}), {mode}"
+
+
+def group_rows(rows: list[dict]) -> dict[tuple, list[dict]]:
+    """Rows by table (dtype, bias dtype, compute type, mode), in first-seen order."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        groups.setdefault(table_key(row), []).append(row)
+    return groups
+
+
+def ordered_unique(values) -> list:
+    return list(dict.fromkeys(values))
+
+
+def speedup(by_contender: dict[str, dict], contender: str, baseline: str = "xla") -> float | None:
+    """baseline µs / contender µs for one case (above 1: the contender is faster)."""
+    a, b = by_contender.get(contender), by_contender.get(baseline)
+    if not a or not b or a["us"] is None or b["us"] is None:
+        return None
+    return b["us"] / a["us"]
+
+
+def _markdown_table(rows: list[dict]) -> list[str]:
+    names = ordered_unique(r["contender"] for r in rows)
+    lines = _md_header("M×K→N", "act", *(f"{n} µs (TF/s)" for n in names), "fused/XLA speed-up")
+    cases: dict[tuple, dict[str, dict]] = {}
+    for r in rows:
+        cases.setdefault((r["shape"], r["activation"]), {})[r["contender"]] = r
+    for (shape, act), by in cases.items():
+        cells = []
+        for name in names:
+            r = by.get(name)
+            cells.append("—" if r is None or r["us"] is None else f"{r['us']:.1f} ({_tf(r['tflops'])})")
+        ratio = speedup(by, "jax_epilog")
+        lines.append(_md_row(shape, act, *cells, f"{_f(ratio, 2)}{'×' if ratio else ''}"))
+    reasons = ordered_unique(f"{r['contender']}: {r['skipped']}" for r in rows if r["skipped"])
+    if reasons:
+        lines += ["", "Skipped (—): " + "; ".join(reasons)]
+    notes = ordered_unique(
+        f"{r['contender']} {r['shape']} {r['activation']}: {r['note']}" for r in rows if r.get("note")
+    )
+    if notes:
+        lines += ["", "Notes: " + "; ".join(notes)]
+    return lines
+
+
+def _md_row(*cells) -> str:
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def _md_header(*names) -> list[str]:
+    return [_md_row(*names), "|" + "---|" * len(names)]
+
+
+def _ceiling_lines(ceiling: dict) -> list[str]:
+    lines = ["## Machine ceiling (measured in this run)", ""]
+    if "skipped" in ceiling:
+        return [*lines, f"Not measured: {ceiling['skipped']}"]
+    mm, copy = ceiling["matmul"], ceiling["copy"]
+    return [
+        *lines,
+        *_md_header("what", "µs", "rate"),
+        _md_row(f"{mm['shape']} {mm['dtype']} matmul, jit", _f(mm["us"]), f"{_f(mm['tflops'])} TF/s"),
+        _md_row(
+            f"{copy['what']}, {copy['bytes'] >> 20} MiB",
+            _f(copy["us"]),
+            f"{_f(copy['gbps'], 0)} GB/s (read+write)",
+        ),
+    ]
+
+
+def _host_lines(host: dict) -> list[str]:
+    lines = ["## Host cost per call", ""]
+    if "skipped" in host:
+        return [*lines, f"Not measured: {host['skipped']}"]
+    lines += _md_header("what", "contender", "µs per call", "handler runs / calls", "handler host µs per run")
+    for h in host["single"]:
+        runs = f"{h['handler_runs']} / {h['calls']}"
+        lines.append(_md_row(h["what"], h["contender"], _f(h["us_per_call"]), runs, _f(h["handler_host_us"])))
+    lines += [""] + _md_header(
+        "chain", "act", "fused_dense µs/step", "XLA µs/step", "XLA/fused", "handler runs / layer runs",
+        "handler host µs per run", "command buffers",
+    )  # fmt: skip
+    for c in host["chain"]:
+        ratio = f"{_f(c['xla_us'] / c['jax_epilog_us'], 2)}×"
+        runs = f"{c['handler_runs']} / {c['layer_runs']}"
+        chain = f"{c['layers']}× {c['shape']}"
+        times = (_f(c["jax_epilog_us"]), _f(c["xla_us"]), ratio)
+        lines.append(
+            _md_row(chain, c["activation"], *times, runs, _f(c["handler_host_us"]), c["command_buffers"])
+        )
+    return lines
+
+
+def render_markdown(results: dict) -> str:
+    v, st = results["versions"], results.get("settings", {})
+    shown = ("jax", "jaxlib", "python", "driver", "cublasLt", "nvmath", "cupy", "torch")
+    flags = f"XLA_FLAGS '{v.get('XLA_FLAGS', '')}' (xla_cublaslt: '{v.get('XLA_FLAGS_xla_cublaslt') or ''}')"
+    method = (
+        f"Each cell: median µs per call over {st.get('samples', '?')} samples (each at least "
+        f"{st.get('min_calls', '?')} back-to-back calls and {st.get('sample_s', 0) * 1e3:.0f} ms), then "
+        "TFLOP/s in brackets (2·M·N·K per forward, 6·M·N·K with the backward). "
+        "Speed-up: XLA jit µs / fused_dense µs (above 1: fused_dense is faster)."
+    )
+    lines = [
+        f"# jax_epilog benchmark suite: {v.get('gpu')}, {results.get('date')}",
+        "",
+        f"Command: `{shlex.join(results['command'])}`",
+        "",
+        "Versions: " + ", ".join(f"{name} {v.get(name)!s}" for name in shown if name in v) + f"; {flags}",
+        "",
+        method,
+    ]
+    for key, rows in group_rows(results["rows"]).items():
+        lines += ["", f"## {table_title(key)}", "", *_markdown_table(rows)]
+    if results.get("ceiling"):
+        lines += ["", *_ceiling_lines(results["ceiling"])]
+    if results.get("host"):
+        lines += ["", *_host_lines(results["host"])]
+    return "\n".join(lines) + "\n"
+
+
+def write_results(results: dict, stem: str) -> tuple[str, str]:
+    os.makedirs(os.path.dirname(stem) or ".", exist_ok=True)
+    json_path, md_path = f"{stem}.json", f"{stem}.md"
+    with open(json_path, "w") as fh:
+        json.dump(results, fh, indent=1)
+    with open(md_path, "w") as fh:
+        fh.write(render_markdown(results))
+    return json_path, md_path
+
+
+# ------------------------------------------------------------------------------ the plan, told
+
+
+PEAK = {"float32": 50e12, TF32: 400e12}  # what --dry-run assumes; half precision 600 TF/s
+
+
+def estimate_s(case: Case, contender: str, settings: Settings) -> float:
+    """A rough H200 wall time for one measurement: compile or plan, warm-up, batches."""
+    peak = PEAK.get(case.compute_type or case.dtype, 600e12)
+    per_call = max(flops(case) / peak, 60e-6 if contender == "nvmath" else 15e-6)
+    batch = max(settings.sample_s, settings.min_calls * per_call)
+    setup = {"fwd": 0.3, "fwd+bwd": 0.8}[case.mode] if "jax" in contender or "xla" in contender else 0.1
+    return setup + (settings.samples + 1) * batch + settings.warmup * per_call
+
+
+def inputs_s(case: Case) -> float:
+    """Making one problem's inputs: host random numbers, a cast and upload per framework."""
+    return (case.m * case.k + case.k * case.n) * 3 / 40e6
+
+
+def estimate_total_s(todo: list[tuple[Case, str]], settings: Settings) -> float:
+    """The measurements, each problem's inputs (made in both processes), the ceiling and
+    host-cost sections and the second process's start."""
+    problems = {(c.m, c.k, c.n, c.dtype, c.bias_dtype): inputs_s(c) for c, _ in todo}
+    return sum(estimate_s(c, name, settings) for c, name in todo) + 1.5 * sum(problems.values()) + 45
+
+
+def summary(todo: list[tuple[Case, str]], settings: Settings) -> str:
+    in_child = sum(name == "xla_cublaslt" for _, name in todo)
+    return (
+        f"{len(todo)} measurements ({in_child} in the second process) + {N_CEILING} ceiling + {N_HOST} "
+        f"host-cost; estimated H200 wall time ~{estimate_total_s(todo, settings) / 60:.1f} min (GEMMs at "
+        f"600 TF/s in half precision, {PEAK[TF32] / 1e12:.0f} TF32, {PEAK['float32'] / 1e12:.0f} float32; "
+        "at least 15 µs per call)"
+    )
+
+
+def print_plan(todo: list[tuple[Case, str]], settings: Settings) -> None:
+    for i, (case, contender) in enumerate(todo, 1):
+        what = f"{case.shape} {case.dtype}/{case.bias_dtype} bias{_ct(case)} {case.activation} {case.mode}"
+        est = estimate_s(case, contender, settings)
+        print(f"[{i}/{len(todo)}] {what} {contender} (~{est:.2f} s, {input_copies(case)} input sets)")
+    print(summary(todo, settings))
+
+
+# ---------------------------------------------------------------------------------- main
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="the short plan (default; ~4 min on an H200)")
+    size.add_argument("--full", action="store_true", help="every shape, dtype and activation (~9 min)")
+    parser.add_argument(
+        "--out", default="benchmarks/results", help="folder for the results (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--dry-run", action="store_true", help="list the measurements and an estimate; time nothing"
+    )
+    parser.add_argument(
+        "--cpu-smoke", action="store_true", help="shapes / 64, 2 samples of 2 calls: runs on a CPU"
+    )
+    parser.add_argument("--xla-only", action="store_true", help=argparse.SUPPRESS)  # the second process
+    parser.add_argument("--rows-out", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.xla_only and not args.rows_out:
+        parser.error("--xla-only needs --rows-out")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict | None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    settings = SMOKE if args.cpu_smoke else FULL if args.full else QUICK
+    scale = 64 if args.cpu_smoke else 1
+    todo = jobs([shrink(case, scale) for case in plan(args.full)])
+    if args.dry_run:
+        print_plan(todo, settings)
+        return None
+    child_todo = [(case, name) for case, name in todo if name == "xla_cublaslt"]
+    if args.xla_only:
+        run_xla_only(child_todo, settings, args.rows_out)
+        return None
+
+    print(summary(todo, settings), flush=True)
+    mode_flags = ["--full" if args.full else "--quick", *(["--cpu-smoke"] if args.cpu_smoke else [])]
+    child_rows, child_versions, child_failure = launch_xla_cublaslt(mode_flags)  # before we hold the GPU
+    here = [(case, name) for case, name in todo if name != "xla_cublaslt"]
+    progress = Progress(len(here) + N_CEILING + N_HOST)
+    on_gpu = jax.devices()[0].platform == "gpu"
+    ceiling = guarded(bench_ceiling, settings, scale, progress)
+    rows = merge_xla_rows(run_jobs(here, settings, progress), child_rows, child_failure)
+    host = guarded(bench_host, settings, scale, progress, on_gpu)
+    versions = environment()
+    versions["XLA_FLAGS_xla_cublaslt"] = child_versions.get("XLA_FLAGS")
+    today = datetime.datetime.now(datetime.UTC).date()
+    results = {
+        "date": today.isoformat(),
+        "versions": versions,
+        "command": ["python", "-m", "benchmarks.run", *argv],
+        "settings": asdict(settings),
+        "rows": rows,
+        "ceiling": ceiling,
+        "host": host,
+    }
+    stem = results_stem(args.out, str(jax.devices()[0].device_kind), today)
+    json_path, md_path = write_results(results, stem)
+    print(f"wrote {json_path}\nwrote {md_path}", flush=True)
+    try:
+        from benchmarks import plot
+
+        for path in plot.make_plots(json_path):
+            print(f"wrote {path}", flush=True)
+    except Exception as exc:  # noqa: BLE001 -- ImportError without matplotlib; the results are saved
+        hint = "once matplotlib is installed" if isinstance(exc, ImportError) else "to retry"
+        print(f"no plots ({failure_reason(exc)}); {hint}: python -m benchmarks.plot {json_path}", flush=True)
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,311 @@
+"""The benchmark suite's CPU-testable parts: plan, arithmetic, skips, merging, rendering."""
+
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ under plain `pytest` too
+from benchmarks import run
+from benchmarks.run import Case
+
+
+def _shapes(cases):
+    return {(c.m, c.k, c.n) for c in cases}
+
+
+def test_quick_plan():
+    cases = run.plan(full=False)
+    assert _shapes(cases) == {
+        (256, 784, 100), (8192, 1024, 4096), (8192, 4096, 16384), (8192, 4096, 1024),
+        (64, 4096, 16384), (1000, 1000, 1003),
+    }  # fmt: skip
+    seed = [c for c in cases if c.m == 256]
+    assert {(c.dtype, c.bias_dtype) for c in seed} == {("float16", "float32")}
+    assert {c.dtype for c in cases if c.m != 256} == {"bfloat16"}
+    assert {(c.m, c.k, c.n) for c in cases if c.activation == "none"} == {(256, 784, 100), (8192, 1024, 4096)}
+    assert {c.m for c in cases if c.mode == "fwd+bwd"} == {8192}
+    assert len(cases) == len(set(cases))
+    assert all(c.compute_type is None for c in cases)
+
+
+def test_full_plan():
+    cases = run.plan(full=True)
+    assert {(8192, 16384, 4096), (16, 4096, 16384), (128, 4096, 16384)} <= _shapes(cases)
+    assert {c.dtype for c in cases if c.m == 8192 and c.dtype != "float32"} == {"bfloat16", "float16"}
+    f32 = [c for c in cases if c.dtype == "float32"]
+    assert _shapes(f32) == {(8192, 1024, 4096)}
+    assert {c.compute_type for c in f32} == {None, run.TF32}
+    assert {c.activation for c in cases} == {"relu", "gelu", "none"}
+    assert set(run.plan(full=False)) < set(cases)
+
+
+def test_contenders_and_jobs():
+    assert run.contenders("fwd", with_auto=False) == [
+        "jax_epilog", "xla", "xla_cublaslt", "torch_matmul_add", "torch_linear", "torch_addmm_act", "nvmath",
+    ]  # fmt: skip
+    assert run.contenders("fwd+bwd", with_auto=True) == [
+        "jax_epilog",
+        "jax_epilog_auto",
+        "xla",
+        "xla_cublaslt",
+    ]
+    case = Case(8, 8, 8, "bfloat16", "bfloat16", "relu", "fwd+bwd")
+    assert run.jobs([case], with_auto=False) == [(case, n) for n in ("jax_epilog", "xla", "xla_cublaslt")]
+
+
+def test_flops_and_tflops():
+    fwd = Case(2, 3, 5, "bfloat16", "bfloat16", "relu", "fwd")
+    assert run.flops(fwd) == 60
+    assert run.flops(fwd._replace(mode="fwd+bwd")) == 180
+    big = Case(8192, 4096, 16384, "bfloat16", "bfloat16", "gelu", "fwd")
+    assert run.tflops(big, 1000.0) == pytest.approx(2 * 8192 * 4096 * 16384 / 1e-3 / 1e12)
+    assert big.shape == "8192x4096->16384"
+
+
+def test_shrink_and_input_copies():
+    big = Case(8192, 4096, 16384, "bfloat16", "bfloat16", "relu", "fwd")
+    assert run.input_copies(big) == 2  # operands and output are far beyond L2 already
+    assert run.input_copies(big._replace(k=1024, n=4096)) == 3
+    assert run.shrink(big, 64)[:3] == (128, 64, 256)
+    assert run.shrink(Case(16, 4096, 16384, "bfloat16", "bfloat16", "relu", "fwd"), 64).m == 1
+
+
+class _FakeClock:
+    """Each call "takes" 1 ms; records batch sizes."""
+
+    def __init__(self):
+        self.batches = []
+
+    def start(self):
+        self.calls = 0
+
+    def stop(self, out):
+        self.batches.append(self.calls)
+        return self.calls * 1e-3
+
+
+def test_measure_adapts_batch_length():
+    clock = _FakeClock()
+
+    def call(i):
+        clock.calls += 1
+        return i
+
+    settings = run.Settings(samples=3, min_calls=5, sample_s=0.02, warmup=2)
+    t = run.measure(call, clock, settings)
+    assert clock.batches[:2] == [2, 5]  # warm-up, then the calibrating batch
+    assert t.iters >= 20 and clock.batches[2:] == [t.iters] * 3
+    assert t.us == pytest.approx(1000.0) and t.samples == 3 and t.calls == sum(clock.batches)
+
+
+def _tiny(mode="fwd", activation="relu"):
+    return Case(4, 8, 16, "float32", "float32", activation, mode)
+
+
+@pytest.mark.parametrize("contender", [*run.TORCH, "nvmath"])
+def test_library_contenders_skip_when_absent(monkeypatch, contender):
+    for name in ("torch", "cupy", "nvmath"):
+        monkeypatch.setitem(sys.modules, name, None)  # import now raises ImportError
+    case = _tiny()
+    row = run.run_one(case, contender, run.Inputs(case), run.SMOKE)
+    assert row["skipped"] and "not importable" in row["skipped"]
+    assert row["us"] is None and row["tflops"] is None and row["contender"] == contender
+
+
+def test_a_failing_contender_becomes_a_row(monkeypatch):
+    def broken(*args):
+        raise ValueError("boom\nsecond line")
+
+    monkeypatch.setitem(run.BENCH, "nvmath", broken)
+    row = run.run_one(_tiny(), "nvmath", None, run.SMOKE)
+    assert row["skipped"] == "ValueError: boom"
+
+
+@pytest.mark.parametrize("mode", ["fwd", "fwd+bwd"])
+@pytest.mark.parametrize("contender", ["jax_epilog", "xla"])
+def test_jax_contenders_run_on_cpu(contender, mode):
+    case = _tiny(mode, "gelu")
+    row = run.run_one(case, contender, run.Inputs(case), run.SMOKE)
+    assert row["skipped"] is None, row["skipped"]
+    assert (
+        row["us"] > 0 and row["samples"] == 2 and row["tflops"] == pytest.approx(run.tflops(case, row["us"]))
+    )
+
+
+class _FakeCupy:
+    """Just enough of CuPy for Inputs.cupy_transposed: "device" memory is a host buffer."""
+
+    uint8 = np.uint8
+
+    class _Pointer:
+        def __init__(self, buffer):
+            self.buffer = buffer
+
+        def copy_from_device(self, src, size):
+            self.buffer[:size] = src.buffer[:size]
+
+    class ndarray:  # CuPy's name
+        def __init__(self, shape, dtype, memptr, strides):
+            self.shape, self.dtype, self.data, self.strides = shape, np.dtype(dtype), memptr, strides
+            self.nbytes = int(np.prod(shape)) * self.dtype.itemsize
+
+        def get(self):
+            return np.ndarray(self.shape, self.dtype, buffer=self.data.buffer, strides=self.strides)
+
+    @classmethod
+    def asarray(cls, host):
+        return SimpleNamespace(data=cls._Pointer(host.copy()))
+
+    @classmethod
+    def empty(cls, size, dtype):
+        return SimpleNamespace(data=cls._Pointer(np.empty(size, dtype)))
+
+
+def test_cupy_operands_are_column_major_views():
+    """nvmath gets kernelᵀ (N, K) and xᵀ (K, M), column-major, so its yᵀ = kernelᵀ·xᵀ is our y."""
+    case = Case(3, 5, 7, "bfloat16", "float32", "relu", "fwd")
+    inputs = run.Inputs(case)
+    x, w, b = inputs.host
+    sets = inputs.cupy_transposed(_FakeCupy)
+    assert len(sets) == run.input_copies(case) == 3
+    assert len({id(s[0].data.buffer) for s in sets}) == 3  # distinct buffers
+    for w_t, x_t, bias in sets:
+        assert w_t.get().flags.f_contiguous and x_t.get().flags.f_contiguous
+        np.testing.assert_array_equal(w_t.get(), w.T.astype(ml_dtypes.bfloat16))
+        np.testing.assert_array_equal(x_t.get(), x.T.astype(ml_dtypes.bfloat16))
+        np.testing.assert_array_equal(bias.get(), b)
+        assert bias.dtype == np.float32 and w_t.dtype == ml_dtypes.bfloat16
+
+
+def test_guarded_section_failure_is_recorded(capsys):
+    def bench_broken():
+        raise RuntimeError("no GPU memory")
+
+    assert run.guarded(bench_broken) == {"skipped": "RuntimeError: no GPU memory"}
+    assert "bench_broken failed" in capsys.readouterr().out
+    md = run.render_markdown(_results() | {"ceiling": {"skipped": "RuntimeError: x"}})
+    assert "Not measured: RuntimeError: x" in md
+
+
+def _row(case, contender, us, skipped=None):
+    return run.make_row(case, contender, run.Timing(us, 5, 20, 112) if us else None, skipped=skipped)
+
+
+def test_merge_xla_rows():
+    a, b = _tiny(), _tiny(activation="gelu")
+    ours = [
+        _row(a, "jax_epilog", 10.0),
+        _row(a, "xla", 20.0),
+        _row(b, "jax_epilog", 11.0),
+        _row(b, "xla", 22.0),
+    ]
+    child = [_row(a, "xla", 15.0)]
+    merged = run.merge_xla_rows(ours, child, None)
+    assert [r["contender"] for r in merged] == ["jax_epilog", "xla", "xla_cublaslt"] * 2
+    assert merged[2]["us"] == 15.0 and run.row_key(merged[2]) == run.row_key(merged[1])
+    assert merged[5]["us"] is None and "no result" in merged[5]["skipped"]
+    failed = run.merge_xla_rows(ours, [], "the --xla-only process exited with status 1")
+    assert failed[2]["skipped"] == "the --xla-only process exited with status 1"
+    assert ours[1]["contender"] == "xla"  # inputs untouched
+
+
+def _results():
+    a, b = _tiny(), Case(4, 8, 16, "float32", "float32", "relu", "fwd+bwd", run.TF32)
+    rows = [
+        _row(a, "jax_epilog", 10.0) | {"note": "fell back"},
+        _row(a, "xla", 25.0),
+        _row(a, "xla_cublaslt", None, "flag refused"),
+        _row(a, "torch_linear", None, "torch is not importable"),
+        _row(b, "jax_epilog", 40.0),
+        _row(b, "xla", 30.0),
+    ]
+    single = {
+        "what": "python loop of jitted calls",
+        "contender": "jax_epilog",
+        "us_per_call": 30.0,
+        "calls": 100,
+        "handler_runs": 100,
+        "handler_host_us": 12.5,
+    }
+    chain = {
+        "layers": 16,
+        "shape": "256x1024->1024",
+        "activation": "relu",
+        "jax_epilog_us": 100.0,
+        "xla_us": 120.0,
+        "handler_runs": 3,
+        "layer_runs": 1600,
+        "handler_host_us": 20.0,
+        "command_buffers": run.command_buffer_verdict(3, 1600, True),
+    }
+    matmul = {"shape": "8192x8192x8192", "dtype": "bfloat16", "us": 1900.0, "tflops": 578.7}
+    copy = {"what": "jit(v + 1), float32", "bytes": 1 << 30, "us": 500.0, "gbps": 4294.97}
+    return {
+        "date": "2026-01-02",
+        "versions": {"gpu": "NVIDIA H200", "jax": "0.11.2", "XLA_FLAGS": ""},
+        "command": ["python", "-m", "benchmarks.run", "--quick"],
+        "settings": {"samples": 5, "min_calls": 20, "sample_s": 0.02},
+        "rows": rows,
+        "ceiling": {"matmul": matmul, "copy": copy},
+        "host": {"single": [single], "chain": [chain]},
+    }
+
+
+def test_markdown_rendering():
+    md = run.render_markdown(_results())
+    assert "# jax_epilog benchmark suite: NVIDIA H200, 2026-01-02" in md
+    assert "`python -m benchmarks.run --quick`" in md
+    assert "## float32 (float32 bias), fwd\n" in md
+    assert f"## float32 (float32 bias, {run.TF32}), fwd+bwd" in md
+    assert "| 4x8->16 | relu | 10.0 (0.00) | 25.0 (0.00) | — | — | 2.50× |" in md
+    assert "| 4x8->16 | relu | 40.0 (0.00) | 30.0 (0.00) | 0.75× |" in md
+    assert "xla_cublaslt: flag refused" in md and "torch_linear: torch is not importable" in md
+    assert "578.7 TF/s" in md and "4295 GB/s" in md
+    assert "| 3 / 1600 |" in md and "captured" in md
+    assert "Notes: jax_epilog 4x8->16 relu: fell back" in md
+
+
+def test_command_buffer_verdict():
+    assert run.command_buffer_verdict(46, 3392, True).startswith("captured")
+    assert run.command_buffer_verdict(3392, 3392, True).startswith("not captured")
+    assert run.command_buffer_verdict(1000, 3392, True) == "partly captured"
+    assert run.command_buffer_verdict(0, 3392, True).startswith("handler never ran")
+    assert run.command_buffer_verdict(0, 3392, False).startswith("n/a")
+
+
+def test_write_results_names(tmp_path):
+    import datetime
+
+    stem = run.results_stem(str(tmp_path), "NVIDIA H200", datetime.date(2026, 1, 2))
+    assert stem.endswith("2026-01-02-nvidia-h200")
+    json_path, md_path = run.write_results(_results(), stem)
+    assert json.loads(Path(json_path).read_text())["rows"][0]["contender"] == "jax_epilog"
+    assert Path(md_path).read_text().startswith("# jax_epilog benchmark suite")
+    assert run.gpu_slug("NVIDIA GeForce RTX 4090 (x/y)") == "nvidia-geforce-rtx-4090-x-y"
+
+
+def test_dry_run_lists_the_plan(capsys):
+    run.main(["--quick", "--dry-run"])
+    lines = capsys.readouterr().out.splitlines()
+    total = len(run.jobs(run.plan(full=False)))
+    assert lines[0].startswith(f"[1/{total}] 256x784->100 float16/float32 bias relu fwd jax_epilog")
+    assert "estimated H200 wall time" in lines[-1]
+
+
+def test_plots(tmp_path):
+    pytest.importorskip("matplotlib")
+    from benchmarks import plot
+
+    path = tmp_path / "2026-01-02-nvidia-h200.json"
+    path.write_text(json.dumps(_results()))
+    written = [Path(p) for p in plot.make_plots(str(path), str(tmp_path / "plots"))]
+    stem = "2026-01-02-nvidia-h200"
+    assert written == [tmp_path / "plots" / f"{stem}-tflops.png", tmp_path / "plots" / f"{stem}-speedup.png"]
+    assert all(p.stat().st_size > 1000 for p in written)
+    labels, series = plot.speedup_series(_results()["rows"][:4])
+    assert labels == ["4x8->16\nrelu"] and series == {"jax_epilog": [2.5]}

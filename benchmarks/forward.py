@@ -61,12 +61,6 @@ def _sample(f, args, iters: int) -> float:
     return (time.perf_counter() - start) / iters * 1e6
 
 
-def time_jax(f, *args) -> float:
-    """Median µs per call of a jitted function called back to back."""
-    iters = _calls_per_sample(f, *args)
-    return statistics.median(_sample(f, args, iters) for _ in range(REPEATS))
-
-
 def time_jax_interleaved(*cases) -> list[float]:
     """Median µs per call for each ``(f, args)``, their samples taken in turn (A B A B ...)
     so that clock or thermal drift during the run affects every contender alike."""

@@ -192,6 +192,7 @@ class Plan:
         self._bias_attr = int(cublasLt.MatmulDescAttribute.BIAS_POINTER)
         self._aux_attr = int(cublasLt.MatmulDescAttribute.EPILOGUE_AUX_POINTER)
         self._last = [None, None]
+        self._lock = threading.Lock()
         heuristic = self._choose_algorithm(_CANDIDATES if autotune else 1)
         self.tuning: list[float] | None = None  # µs per candidate, when autotuned
         best = 0
@@ -211,7 +212,6 @@ class Plan:
         self._ws_size = ws_size
         # "wgrad" writes dbias through the bias pointer: it is an output of the call.
         self.bias_is_output = spec.problem == "wgrad"
-        self._lock = threading.Lock()
 
     def _choose_algorithm(self, count: int):
         """cuBLASLt's ``count`` best heuristic algorithms for operands aligned to
@@ -278,29 +278,16 @@ class Plan:
             return [0.0] + [float("inf")] * (len(heuristic) - 1)
         offsets = np.cumsum([0, *sizes]) + scratch.ptr
         a, b, d, bias, aux = (int(o) if size else 0 for o, size in zip(offsets[:5], sizes))
-        ws_ptr = int(offsets[5])
-        for value, buf, size in ((bias, self._bias_buf, sizes[3]), (aux, self._aux_buf, sizes[4])):
-            if size:
-                self._ptr_buf[(buf - self._bias_buf) // 8] = value
-                attr = self._bias_attr if buf == self._bias_buf else self._aux_attr
-                cublasLt.matmul_desc_set_attribute(self._desc, attr, buf, 8)
-        a_layout, b_layout, c_layout, d_layout = self._layouts
+        self._ws_ptr, self._ws_size = int(offsets[5]), ws_size  # one workspace fits them all
         times = []
         for i in range(len(heuristic)):
-            algo = heuristic[i]["algo"].ctypes.data
-
-            def launch(algo=algo):
-                cublasLt.matmul(
-                    self._handle, self._desc, self._alpha, a, a_layout, b, b_layout, self._beta,
-                    d, c_layout, d, d_layout, algo, ws_ptr, ws_size, stream.ptr,
-                )  # fmt: skip
-
+            self._algo = heuristic[i]["algo"].ctypes.data  # run() launches self._algo
             try:
-                launch()
+                self.run(stream.ptr, a, b, bias, d, aux)
                 start, end = cp.cuda.Event(), cp.cuda.Event()
                 start.record(stream)
                 for _ in range(_TUNING_RUNS):
-                    launch()
+                    self.run(stream.ptr, a, b, bias, d, aux)
                 end.record(stream)
                 end.synchronize()
                 times.append(cp.cuda.get_elapsed_time(start, end) * 1e3 / _TUNING_RUNS)
@@ -308,7 +295,7 @@ class Plan:
                 stream.synchronize()
                 times.append(float("inf"))
         self._last = [None, None]  # the descriptor points at freed scratch now
-        del scratch
+        del scratch  # (__init__ then sets the chosen algorithm and its own workspace)
         return times
 
     def run(self, stream: int, a: int, b: int, bias: int, d: int, aux: int) -> None:

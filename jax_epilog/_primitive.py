@@ -122,6 +122,22 @@ def _fast_path_refusal(spec: EpilogSpec) -> str | None:
     return None
 
 
+def _lower_fused_or_reference(ctx, args, spec, reference, params, fused):
+    """Lower ``fused`` (which emits our custom call for ``spec``) when cuBLASLt takes
+    ``spec``; else ``reference``: silently for ``spec=None`` (a documented XLA case:
+    float64, an empty dimension), with one FastPathWarning for a refusal."""
+    if spec is not None:
+        refusal = _fast_path_refusal(spec)
+        if refusal is None:
+            return mlir.lower_fun(fused, multiple_results=True)(ctx, *args)
+        _warn_once(refusal)
+    return reference(ctx, *args, **params)
+
+
+def _results(avals) -> list[jax.ShapeDtypeStruct]:
+    return [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
+
+
 def _cuda_lowering(ctx, x, kernel, *bias, activation, with_aux, compute_type, d_dtype, out_dtype):
     params = dict(
         activation=activation,
@@ -132,27 +148,19 @@ def _cuda_lowering(ctx, x, kernel, *bias, activation, with_aux, compute_type, d_
     )
     x_aval, k_aval = ctx.avals_in[:2]
     b_aval = ctx.avals_in[2] if bias else None
-    if np.dtype(x_aval.dtype) == np.float64 or 0 in (*x_aval.shape, k_aval.shape[1]):
-        return _reference_lowering(ctx, x, kernel, *bias, **params)  # documented, no warning
-    spec = spec_of(x_aval, k_aval, b_aval, activation, with_aux, compute_type, d_dtype)
-    refusal = _fast_path_refusal(spec)
-    if refusal is not None:
-        _warn_once(refusal)
-        return _reference_lowering(ctx, x, kernel, *bias, **params)
+    spec = None
+    if np.dtype(x_aval.dtype) != np.float64 and 0 not in (*x_aval.shape, k_aval.shape[1]):
+        spec = spec_of(x_aval, k_aval, b_aval, activation, with_aux, compute_type, d_dtype)
 
     def fused(x, kernel, *bias):
         from . import _ffi
 
-        if with_aux:
-            aux_aval = ctx.avals_out[1]
-            aux_shape = (aux_aval.shape, aux_aval.dtype)
-        results = [jax.ShapeDtypeStruct((spec.m, spec.n), d_dtype)]
-        if with_aux:
-            results.append(jax.ShapeDtypeStruct(*aux_shape))
+        # D in the epilog's dtype, then the aux as the primitive returns it.
+        results = [jax.ShapeDtypeStruct((spec.m, spec.n), d_dtype), *_results(ctx.avals_out[1:])]
         d, *aux = _ffi.call((x, kernel, *bias), results, spec)
         return [d.astype(out_dtype), *aux]  # a no-op cast unless the epilog ran in float32
 
-    return mlir.lower_fun(fused, multiple_results=True)(ctx, x, kernel, *bias)
+    return _lower_fused_or_reference(ctx, (x, kernel, *bias), spec, _reference_lowering, params, fused)
 
 
 mlir.register_lowering(fused_matmul_p, _cuda_lowering, platform="cuda")
@@ -169,12 +177,17 @@ def _batch(args, dims, **params):
         outs = fused_matmul_p.bind(x.reshape(batch * m, k), kernel, *bias, **params)
         return [o.reshape(batch, m, *o.shape[1:]) for o in outs], [0] * len(outs)
     # Batched weights (an ensemble): one fused call per member, in a loop.
-    size = next(a.shape[d] for a, d in zip(args, dims) if d is not not_mapped)
+    return _map_over_batch(fused_matmul_p, args, dims, **params)
+
+
+def _map_over_batch(primitive: Primitive, args, dims, **params):
+    """A batching rule that binds ``primitive`` once per batch member, in a lax.map loop."""
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     stacked = [
-        jnp.broadcast_to(a, (size, *a.shape)) if d is not_mapped else jnp.moveaxis(a, d, 0)
+        jnp.broadcast_to(a, (size, *a.shape)) if d is None else jnp.moveaxis(a, d, 0)
         for a, d in zip(args, dims)
     ]
-    outs = jax.lax.map(lambda ops: fused_matmul_p.bind(*ops, **params), stacked)
+    outs = jax.lax.map(lambda ops: primitive.bind(*ops, **params), stacked)
     return list(outs), [0] * len(outs)
 
 
@@ -212,42 +225,27 @@ def _wgrad_cuda_lowering(ctx, x, dz, *, compute_type, d_dtype):
     x_aval, dz_aval = ctx.avals_in
     (m, k), n = x_aval.shape, dz_aval.shape[1]
     params = dict(compute_type=compute_type, d_dtype=d_dtype)
+    spec = None
     # K = 1: cuBLASLt 13.1 plans a BGRADA GEMM with one output row but then refuses to
     # run it (CUBLAS_STATUS_INVALID_VALUE, measured on the H200), so XLA computes it.
-    if np.dtype(x_aval.dtype) == np.float64 or 0 in (m, k, n) or k == 1:
-        return _wgrad_reference_lowering(ctx, x, dz, **params)
-    dt = np.dtype(d_dtype).name
-    spec = EpilogSpec(
-        m=int(m), n=int(n), k=int(k), epilog="BGRADA",
-        compute_type=ComputeType(compute_type).name, ab_dtype=np.dtype(x_aval.dtype).name,
-        bias_dtype=dt, d_dtype=dt, problem="wgrad",
-    )  # fmt: skip
-    refusal = _fast_path_refusal(spec)
-    if refusal is not None:
-        _warn_once(refusal)
-        return _wgrad_reference_lowering(ctx, x, dz, **params)
+    if np.dtype(x_aval.dtype) != np.float64 and 0 not in (m, k, n) and k != 1:
+        dt = np.dtype(d_dtype).name
+        spec = EpilogSpec(
+            m=int(m), n=int(n), k=int(k), epilog="BGRADA",
+            compute_type=ComputeType(compute_type).name, ab_dtype=np.dtype(x_aval.dtype).name,
+            bias_dtype=dt, d_dtype=dt, problem="wgrad",
+        )  # fmt: skip
 
     def fused(x, dz):
         from . import _ffi
 
-        results = [jax.ShapeDtypeStruct((spec.k, spec.n), d_dtype), jax.ShapeDtypeStruct((spec.n,), d_dtype)]
-        return _ffi.call((x, dz), results, spec)
+        return _ffi.call((x, dz), _results(ctx.avals_out), spec)
 
-    return mlir.lower_fun(fused, multiple_results=True)(ctx, x, dz)
+    return _lower_fused_or_reference(ctx, (x, dz), spec, _wgrad_reference_lowering, params, fused)
 
 
 mlir.register_lowering(fused_weight_grad_p, _wgrad_cuda_lowering, platform="cuda")
 
 
-def _wgrad_batch(args, dims, **params):
-    """Each batch member has its own gradient: one fused call per member, in a loop."""
-    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
-    stacked = [
-        jnp.broadcast_to(a, (size, *a.shape)) if d is None else jnp.moveaxis(a, d, 0)
-        for a, d in zip(args, dims)
-    ]
-    outs = jax.lax.map(lambda ops: fused_weight_grad_p.bind(*ops, **params), stacked)
-    return list(outs), [0, 0]
-
-
-batching.primitive_batchers[fused_weight_grad_p] = _wgrad_batch
+# Each batch member has its own gradient: one fused call per member, in a loop.
+batching.primitive_batchers[fused_weight_grad_p] = functools.partial(_map_over_batch, fused_weight_grad_p)

@@ -1,0 +1,82 @@
+"""The CUDA lowerings, checked on any machine: JAX lowers for platform "cuda" here, with
+cuBLASLt's planning stubbed to accept, so the emitted custom calls can be read as text."""
+
+from __future__ import annotations
+
+import functools
+import re
+import warnings
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jax_epilog import FastPathWarning, _primitive, fused_dense
+
+TARGET = "jax_epilog_fused_matmul"
+op = functools.partial(fused_dense, implementation="cublaslt")
+
+
+def _cuda_text(f, *args) -> str:
+    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _calls(text: str) -> list[str]:
+    return re.findall(rf"stablehlo.custom_call @{TARGET}\(.*", text)
+
+
+def _args(dtype, bias_dtype=None, m=33, k=129, n=65):
+    return jnp.ones((m, k), dtype), jnp.ones((k, n), dtype), jnp.ones((n,), bias_dtype or dtype)
+
+
+@pytest.fixture
+def cublaslt_accepts(monkeypatch):
+    monkeypatch.setattr(_primitive, "_fast_path_refusal", lambda spec: None)
+
+
+def test_forward_call_carries_the_problem_and_writes_d_and_aux(cublaslt_accepts):
+    (call,) = _calls(_cuda_text(functools.partial(op, activation="relu", return_aux=True), *_args(jnp.bfloat16)))
+    for attr in ('epilog = "RELU_AUX_BIAS"', 'problem = "forward"', "m = 33", "n = 65", "k = 129"):
+        assert attr in call
+    # D (m, n) and the bit-mask (m, round_up(65, 128) / 8 = 16 bytes).
+    assert call.endswith("-> (tensor<33x65xbf16>, tensor<33x16xui8>)")
+
+
+def test_float32_bias_makes_a_float32_d_that_xla_casts(cublaslt_accepts):
+    text = _cuda_text(functools.partial(op, activation="gelu"), *_args(jnp.float16, jnp.float32))
+    (call,) = _calls(text)
+    assert call.endswith("-> tensor<33x65xf32>")
+    assert "stablehlo.convert" in text
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_backward_adds_one_bgrada_call_only_with_a_bias(cublaslt_accepts, with_bias):
+    x, w, b = _args(jnp.bfloat16)
+    loss = lambda x, w, b: op(x, w, b if with_bias else None, activation="relu").astype(jnp.float32).sum()
+    calls = _calls(_cuda_text(jax.grad(loss, argnums=(0, 1, 2)), x, w, b))
+    assert len(calls) == (2 if with_bias else 1)
+    if with_bias:
+        wgrad = calls[1]
+        assert 'epilog = "BGRADA"' in wgrad and 'problem = "wgrad"' in wgrad
+        # (x, dz) -> (dkernel (k, n), dbias (n,))
+        assert wgrad.endswith("(tensor<33x129xbf16>, tensor<33x65xbf16>) -> (tensor<129x65xbf16>, tensor<65xbf16>)")
+
+
+def test_weight_gradient_with_k_1_stays_on_xla(cublaslt_accepts):
+    x, w, b = _args(jnp.bfloat16, k=1)
+    grad = jax.grad(lambda x, w, b: op(x, w, b, activation="relu").astype(jnp.float32).sum(), argnums=(0, 1, 2))
+    calls = _calls(_cuda_text(grad, x, w, b))
+    assert len(calls) == 1 and 'problem = "forward"' in calls[0]
+
+
+def test_a_refusal_lowers_to_xla_with_one_warning(monkeypatch):
+    monkeypatch.setattr(_primitive, "_fast_path_refusal", lambda spec: "cuBLASLt refused (test)")
+    _primitive._warn_once.cache_clear()
+    x, w, b = _args(jnp.bfloat16)
+    grad = jax.grad(lambda x, w, b: op(x, w, b, activation="relu").astype(jnp.float32).sum(), argnums=(0, 1, 2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        text = _cuda_text(grad, x, w, b)
+    assert not _calls(text)
+    refusals = [w for w in caught if issubclass(w.category, FastPathWarning)]
+    assert len(refusals) == 1 and "cuBLASLt refused (test)" in str(refusals[0].message)

@@ -50,11 +50,13 @@ _KEY_ATTR = "_key"  # sorts before every lowercase name: XLA passes attributes s
 
 # Every field the handler reads is an aligned 8-byte word (a pointer, size or int64;
 # 4-byte enums are read as the low half of theirs), so memory is read as one huge array of
-# words: _WORDS[address // 8] costs one subscript instead of a ctypes object per field.
-_WORDS = (ctypes.c_uint64 * (1 << 59)).from_address(0)
+# words: _WORDS[address // 8] costs one subscript instead of a ctypes object per field
+# (through a memoryview: ~30 ns a word, against ~40 ns for the ctypes array's own indexing).
+_WORDS = memoryview((ctypes.c_uint64 * (1 << 59)).from_address(0)).cast("B").cast("Q")
 _LOW32 = 0xFFFFFFFF
 
 _u64 = ctypes.c_uint64
+_now = time.perf_counter_ns
 _i32 = ctypes.c_int32
 # XLA_FFI_Stream_Get is trivial: call it without releasing the GIL (a release would make
 # this thread wait for the GIL again, behind whatever Python code is running).
@@ -147,7 +149,7 @@ class _Handler:
         self._specs.setdefault(key, spec)
 
     def __call__(self, frame: int) -> int | None:
-        start = time.perf_counter_ns()
+        start = _now()
         api = None
         try:
             mem = _WORDS
@@ -155,36 +157,34 @@ class _Handler:
             ext = mem[f + _F_EXT]
             if ext:
                 return self._metadata(ext)
+            api = self._apis.get(mem[f + _F_API]) or self._bind_api(mem[f + _F_API])
             if not hasattr(self._pinned, "state"):
                 self._pin_thread_state()
-            api_ptr = mem[f + _F_API]
-            api = self._apis.get(api_ptr) or self._bind_api(api_ptr)
             if mem[f + _F_STAGE] & _LOW32 != _STAGE_EXECUTE:
                 return None
-            attrs = mem[f + _F_ATTRS]
             if self._key_index is None:
                 self._key_index = self._find_key(mem[f + _F_NATTRS], mem[f + _F_ATTR_NAMES])
-            scalar = mem[(attrs >> 3) + self._key_index]  # XLA_FFI_Scalar {dtype, value*}
+            scalar = mem[(mem[f + _F_ATTRS] >> 3) + self._key_index]  # XLA_FFI_Scalar {dtype, value*}
             key = mem[mem[(scalar >> 3) + 1] >> 3]
-            decoded = time.perf_counter_ns()
+            decoded = _now() if self.trace is not None else 0
             stream = api.stream(mem[f + _F_CTX])
-            streamed = time.perf_counter_ns()
-            nargs, args = mem[f + _F_NARGS], mem[f + _F_ARGS] >> 3
-            nrets, rets = mem[f + _F_NRETS], mem[f + _F_RETS] >> 3
+            streamed = _now() if self.trace is not None else 0
+            args, rets = mem[f + _F_ARGS] >> 3, mem[f + _F_RETS] >> 3
             x = mem[(mem[args] >> 3) + _B_DATA]
             a = mem[(mem[args + 1] >> 3) + _B_DATA]  # the kernel, or dz for "wgrad"
-            bias = mem[(mem[args + 2] >> 3) + _B_DATA] if nargs > 2 else 0
+            bias = mem[(mem[args + 2] >> 3) + _B_DATA] if mem[f + _F_NARGS] > 2 else 0
             d = mem[(mem[rets] >> 3) + _B_DATA]
-            aux = mem[(mem[rets + 1] >> 3) + _B_DATA] if nrets > 1 else 0  # or dbias
+            aux = mem[(mem[rets + 1] >> 3) + _B_DATA] if mem[f + _F_NRETS] > 1 else 0  # or dbias
             alignment = self._nvmath.alignment_of(x, a, d, bias, aux)
             plan = self._plans.get((key, stream, alignment))
             if plan is None:
                 plan = self._make_plan(key, stream, alignment, d, frame)
-            looked_up = time.perf_counter_ns()
+            looked_up = _now() if self.trace is not None else 0
             if plan.bias_is_output:  # "wgrad": the second result is dbias
-                bias, aux = aux, 0
-            plan.run(stream, a, x, bias, d, aux)
-            end = time.perf_counter_ns()
+                plan.run(stream, a, x, aux, d, 0)
+            else:
+                plan.run(stream, a, x, bias, d, aux)
+            end = _now()
             self.calls += 1
             self.busy_ns += end - start
             if self.trace is not None:

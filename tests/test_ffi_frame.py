@@ -1,0 +1,207 @@
+"""The FFI handler decoding a call frame built by hand (CPU; no XLA, no GPU, no nvmath).
+
+The frame follows XLA's FFI C API 0.1 (xla/ffi/api/c_api.h) as ``jax_epilog._ffi`` reads
+it. On a GPU, test_gpu.py checks the same decoding against XLA's real frames; here every
+branch of the handler runs in CI: the metadata query, the fast path, the first-call
+attribute decoding, "wgrad"'s output bias, and errors returned to XLA instead of raised.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from types import SimpleNamespace
+
+import pytest
+
+from jax_epilog import _ffi
+from jax_epilog._epilogs import EpilogSpec
+
+_U8, _F16, _F32, _BF16 = 6, 10, 11, 16
+_SCALAR, _STRING = 3, 4
+_EXECUTE, _INSTANTIATE = 3, 1
+_STREAM = 0x5EA000
+_API_FN = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)
+
+FORWARD = EpilogSpec(33, 65, 129, "RELU_AUX_BIAS", "COMPUTE_32F", "float16", "float32", "float32")
+WGRAD = EpilogSpec(33, 65, 129, "BGRADA", "COMPUTE_32F", "float16", "float32", "float32", "wgrad")
+
+
+def _words(*values):
+    return (ctypes.c_uint64 * len(values))(*values)
+
+
+class Frame:
+    """An XLA_FFI_CallFrame and everything it points to (kept alive by this object)."""
+
+    def __init__(self, args, rets, attrs, *, stage=_EXECUTE, extension=0):
+        self._keep = []
+        self.errors: list[str] = []
+        self.stream_calls = 0
+
+        def stream_get(p):
+            self.stream_calls += 1
+            ctypes.c_uint64.from_address(p + 24).value = _STREAM  # Stream_Get_Args.stream
+
+        def error_create(p):
+            message = ctypes.c_char_p.from_address(p + 16).value.decode()
+            self.errors.append(message)
+            return 0xE0000 + len(self.errors)
+
+        self._fns = (_API_FN(error_create), _API_FN(stream_get))
+        fn = [ctypes.cast(f, ctypes.c_void_p).value for f in self._fns]
+        # XLA_FFI_Api: struct_size, ext, api_version (3 words), internal_api, Error_Create,
+        # Error_GetMessage, Error_Destroy, Handler_Register, Stream_Get.
+        api = self._keep_addr(_words(88, 0, 0, 0, 0, 0, fn[0], 0, 0, 0, fn[1]))
+        args_ptrs = [self._buffer(dtype, data) for dtype, data in args]
+        rets_ptrs = [self._buffer(dtype, data) for dtype, data in rets]
+        names, values, types = [], [], []
+        for name, value in sorted(attrs.items()):
+            names.append(self._span(name.encode()))
+            if isinstance(value, str):
+                types.append(_STRING)
+                values.append(self._span(value.encode()))
+            else:
+                types.append(_SCALAR)
+                scalar = self._keep_addr(_words(value))
+                values.append(self._keep_addr(_words(7, scalar)))  # {S64, value*}
+        self.frame = _words(
+            176, extension, api, 0xC7C, stage,
+            40, 0, len(args_ptrs), 0, self._array(args_ptrs),
+            40, 0, len(rets_ptrs), 0, self._array(rets_ptrs),
+            48, 0, len(names), self._keep_addr((ctypes.c_int32 * max(len(types), 1))(*types)),
+            self._array(names), self._array(values), 0,
+        )  # fmt: skip
+
+    def _keep_addr(self, obj) -> int:
+        self._keep.append(obj)
+        return ctypes.addressof(obj)
+
+    def _array(self, ptrs) -> int:
+        return self._keep_addr(_words(*ptrs, 0))
+
+    def _span(self, data: bytes) -> int:
+        buf = ctypes.create_string_buffer(data)
+        return self._keep_addr(_words(self._keep_addr(buf), len(data)))
+
+    def _buffer(self, dtype, data) -> int:
+        return self._keep_addr(_words(48, 0, dtype, data, 1, 0))  # XLA_FFI_Buffer
+
+    def __call__(self, handler) -> int | None:
+        return handler(ctypes.addressof(self.frame))
+
+
+class FakePlan:
+    def __init__(self, spec, fail=False):
+        self.spec = spec
+        self.bias_is_output = spec.problem == "wgrad"
+        self.runs = []
+        self._fail = fail
+
+    def run(self, *pointers):
+        if self._fail:
+            raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED")
+        self.runs.append(pointers)
+
+
+def _alignment_of(*ptrs):
+    combined = 0
+    for p in ptrs:
+        combined |= p
+    return 256 if combined % 256 == 0 else 16 if combined % 16 == 0 else 0
+
+
+@pytest.fixture
+def handler():
+    h = _ffi._Handler()
+    h.plans = []
+
+    def get_plan(spec, device, alignment):
+        plan = FakePlan(spec, fail=spec.m == 1)
+        h.plans.append((spec, device, alignment, plan))
+        return plan
+
+    h._nvmath = SimpleNamespace(
+        get_plan=get_plan,
+        device_of=lambda ptr: 0,
+        alignment_of=_alignment_of,
+    )
+    return h
+
+
+def _attrs(spec):
+    return dict(
+        _key=_ffi.spec_key(spec), problem=spec.problem, epilog=spec.epilog,
+        compute_type=spec.compute_type, m=spec.m, n=spec.n, k=spec.k,
+    )  # fmt: skip
+
+
+def _forward_frame(spec=FORWARD, x=0x10000, w=0x20000, b=0x30000, d=0x40000, aux=0x50000, **kw):
+    return Frame(
+        [(_F16, x), (_F16, w), (_F32, b)],
+        [(_F32, d), (_U8, aux)],
+        _attrs(spec),
+        **kw,
+    )
+
+
+def test_metadata_query_declares_api_0_1_and_the_command_buffer_trait(handler):
+    metadata = (ctypes.c_uint8 * 40)()
+    ext = _words(32, 1, 0, ctypes.addressof(metadata))  # {struct_size, METADATA, next, metadata*}
+    frame = _forward_frame(extension=ctypes.addressof(ext))
+    assert frame(handler) is None
+    words = (ctypes.c_int32 * 10).from_buffer(metadata)
+    assert (words[6], words[7], words[8]) == (0, 1, 1)  # major, minor, traits
+    assert handler.calls == 0 and not handler.plans
+
+
+def test_fast_path_plans_once_then_launches_with_xlas_pointers(handler):
+    handler.remember(_ffi.spec_key(FORWARD), FORWARD)
+    frame = _forward_frame()
+    assert frame(handler) is None
+    assert frame(handler) is None
+    [(spec, device, alignment, plan)] = handler.plans
+    assert (spec, device, alignment) == (FORWARD, 0, 256)
+    # run(stream, A = kernel, B = x, bias, D, aux)
+    assert plan.runs == [(_STREAM, 0x20000, 0x10000, 0x30000, 0x40000, 0x50000)] * 2
+    assert frame.stream_calls == 2 and not frame.errors
+    assert handler.calls == 2 and handler.resolved == 1
+
+
+def test_other_alignment_or_stage(handler):
+    handler.remember(_ffi.spec_key(FORWARD), FORWARD)
+    assert _forward_frame(stage=_INSTANTIATE)(handler) is None
+    assert not handler.plans  # only the execute stage runs anything
+    assert _forward_frame(x=0x10010)(handler) is None
+    assert [p[2] for p in handler.plans] == [16]
+
+
+def test_unknown_key_decodes_the_attributes_and_buffer_dtypes(handler):
+    frame = _forward_frame()  # not remembered: as in a process that did not lower it
+    assert frame(handler) is None, frame.errors
+    [(spec, *_)] = handler.plans
+    assert spec == FORWARD
+
+
+def test_wgrad_passes_the_second_result_as_the_bias_output(handler):
+    frame = Frame([(_F16, 0x10000), (_F16, 0x20000)], [(_F32, 0x40000), (_F32, 0x60000)], _attrs(WGRAD))
+    assert frame(handler) is None, frame.errors
+    [(spec, _, _, plan)] = handler.plans
+    assert spec == WGRAD
+    assert plan.runs == [(_STREAM, 0x20000, 0x10000, 0x60000, 0x40000, 0)]
+
+
+def test_failures_are_returned_to_xla_as_errors(handler):
+    bad = FORWARD._replace(m=1)  # FakePlan.run raises for it
+    frame = _forward_frame(bad)
+    assert frame(handler) == 0xE0001
+    assert frame.errors == ["jax_epilog: fused matmul failed: RuntimeError: CUBLAS_STATUS_NOT_SUPPORTED"]
+
+    attrs = _attrs(FORWARD) | {"m": 34}  # the attributes disagree with the key
+    frame = Frame([(_F16, 0x10000), (_F16, 0x20000), (_F32, 0x30000)], [(_F32, 0x40000), (_U8, 0)], attrs)
+    assert frame(handler) == 0xE0001
+    assert "does not match its key" in frame.errors[0]
+
+    handler.remember(_ffi.spec_key(FORWARD), FORWARD)
+    frame = _forward_frame(x=0x10004)  # XLA promises 16 bytes
+    assert frame(handler) == 0xE0001
+    assert "not 16-byte aligned" in frame.errors[0]

@@ -1,20 +1,27 @@
 """How much the algorithm choice matters: cuBLASLt's heuristic candidates timed one by one.
 
     python -m benchmarks.algorithms
+    python -m benchmarks.algorithms --tuning [M K N] [EPILOG ...]
 
 For each epilog of the forward (and the backward's kernel-gradient GEMM, with and without
 the BGRADA bias-gradient epilog) at two transformer shapes, this plans the problem as
 jax_epilog does (``_nvmath.Plan``, heuristic first choice), then times on the GPU (CUDA
-events, median of 5 x 40 launches, bf16, random operands): the heuristic's first choice,
+events, median of 5 x 40 launches, bf16 operands ~ N(0, 1)): the heuristic's first choice,
 the best of its top 8, the same with any split-K reduction scheme and 1 GiB of workspace
 allowed, and nvmath's own first choice. The last line per shape times XLA's GEMMs for the
 backward (jitted, back to back). This measurement is why plans made at lowering time are
 autotuned (``_nvmath.Plan._time_candidates``). Results: benchmarks/results/*/algorithms.txt.
+
+``--tuning`` checks the autotuner itself at one shape (default 8192x4096->16384): every
+candidate it considered, with the time it measured at planning (scratch operands, 2 rounds
+of 5 launches) beside the time measured here (median of 5 x 40), and
+which one it chose against the fastest here.
 """
 
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 
 import cupy as cp
@@ -54,9 +61,11 @@ class Timer:
         self.keep = []  # operands and algorithm structs, alive until the end
 
     def buffer(self, nbytes: int) -> int:
-        data = (cp.random.standard_normal(nbytes // 2 + 8, dtype=cp.float32) * 0.05).astype(cp.float16)
+        """bfloat16 values ~ N(0, 1): the GPU's clocks, so the timings, depend on the values."""
+        data = cp.cuda.alloc(nbytes + 16)
+        _nvmath.fill_normal(data, nbytes // 2 + 8, "bfloat16")
         self.keep.append(data)
-        return data.data.ptr
+        return data.ptr
 
     def gpu_us(self, launch, n=40) -> float:
         launch()
@@ -106,7 +115,39 @@ def jax_us(f, *args, n=50) -> float:
     return statistics.median(samples)
 
 
+def _forward_pointers(timer, spec):
+    m, n, k, buf = spec.m, spec.n, spec.k, timer.buffer
+    return (buf(k * n * 2), buf(m * k * 2), buf(n * 2), buf(m * n * 2), buf(m * n * 2) if spec.has_aux else 0)
+
+
+def tuning(m, k, n, epilogs):
+    timer = Timer()
+    for name in epilogs:
+        spec = EpilogSpec(m, n, k, name, "COMPUTE_32F", "bfloat16", "bfloat16", "bfloat16")
+        tuned = _nvmath.Plan(spec, 0, 256, autotune=True)
+        ptrs = _forward_pointers(timer, spec)
+        records = candidates(tuned, _nvmath._CANDIDATES)
+        here = [timer.time_algorithm(tuned, c, ptrs) for c in records]
+        chosen = int(np.argmin(tuned.tuning))
+        print(f"{m}x{k}->{n} {name}: chose candidate {chosen} ({here[chosen]:.1f} µs here), fastest here "
+              f"{int(np.argmin(here))} ({min(here):.1f} µs), heuristic first {here[0]:.1f} µs", flush=True)
+        for i, (planning, measured) in enumerate(zip(tuned.tuning, here)):
+            print(f"  candidate {i:2d}: at planning {planning:8.1f} µs, here {measured:8.1f} µs", flush=True)
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.bfloat16)
+    b = jnp.asarray(rng.standard_normal(n), jnp.bfloat16)
+    relu = jax_us(jax.jit(lambda x, w, b: jax.nn.relu(x @ w + b)), x, w, b)
+    gelu = jax_us(jax.jit(lambda x, w, b: jax.nn.gelu(x @ w + b)), x, w, b)
+    print(f"{m}x{k}->{n} XLA jit (back to back, host clock): relu {relu:.1f} µs, gelu {gelu:.1f} µs", flush=True)
+
+
 def main():
+    if "--tuning" in sys.argv:
+        args = sys.argv[sys.argv.index("--tuning") + 1 :]
+        shape = [int(a) for a in args if a.isdigit()] or [8192, 4096, 16384]
+        tuning(*shape, [a for a in args if not a.isdigit()] or ["RELU_BIAS", "GELU_BIAS"])
+        return
     timer = Timer()
     for m, k, n in SHAPES:
         for name in EPILOGS:
@@ -117,7 +158,7 @@ def main():
             plan = _nvmath.Plan(spec, 0, 256)
             buf = timer.buffer
             if problem == "forward":
-                ptrs = (buf(k * n * 2), buf(m * k * 2), buf(n * 2), buf(m * n * 2), buf(m * n * 2) if spec.has_aux else 0)
+                ptrs = _forward_pointers(timer, spec)
             else:
                 ptrs = (buf(m * n * 2), buf(m * k * 2), buf(n * 2) if bias_dtype else 0, buf(k * n * 2), 0)
             ours = [timer.time_algorithm(plan, c, ptrs) for c in candidates(plan, 8)]

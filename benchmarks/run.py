@@ -173,24 +173,44 @@ def measure(call, clock, settings: Settings) -> Timing:
     ``clock.stop(last_output)``, which synchronises. After warm-up a first batch of
     ``min_calls`` calls sets the batch length so that each batch lasts ``sample_s``.
     """
-    made = 0
+    return measure_interleaved([(call, clock)], settings)[0]
 
-    def batch(count: int) -> float:
-        nonlocal made
+
+def measure_interleaved(contenders: list[tuple], settings: Settings) -> list[Timing]:
+    """``measure`` for several (call, clock) pairs at once, samples taken in turn.
+
+    Every contender is warmed up and its batch length set first; then the samples go
+    round: sample s of each contender before sample s + 1 of any. The GPU's clocks drift
+    over a run (by several per cent over seconds of sustained load), and this way the
+    drift touches every contender alike instead of whichever ran last.
+    """
+    made = [0] * len(contenders)
+
+    def batch(j: int, count: int) -> float:
+        call, clock = contenders[j]
         out = None
         clock.start()
-        for i in range(made, made + count):
+        for i in range(made[j], made[j] + count):
             out = call(i)
-        made += count
+        made[j] += count
         return clock.stop(out)
 
-    batch(settings.warmup)
-    iters = settings.min_calls
-    first = batch(iters)
-    if first < settings.sample_s:
-        iters = min(settings.max_calls, math.ceil(iters * 1.1 * settings.sample_s / max(first, 1e-9)))
-    seconds = [batch(iters) / iters for _ in range(settings.samples)]
-    return Timing(statistics.median(seconds) * 1e6, len(seconds), iters, made)
+    iters = []
+    for j in range(len(contenders)):
+        batch(j, settings.warmup)
+        first = batch(j, settings.min_calls)
+        count = settings.min_calls
+        if first < settings.sample_s:
+            count = min(settings.max_calls, math.ceil(count * 1.1 * settings.sample_s / max(first, 1e-9)))
+        iters.append(count)
+    seconds = [[] for _ in contenders]
+    for _ in range(settings.samples):
+        for j, count in enumerate(iters):
+            seconds[j].append(batch(j, count) / count)
+    return [
+        Timing(statistics.median(s) * 1e6, len(s), count, calls)
+        for s, count, calls in zip(seconds, iters, made)
+    ]
 
 
 class WallClock:
@@ -325,20 +345,41 @@ def jax_program(case: Case, contender: str):
     return jax.grad(lambda x, w, b: jnp.sum(fwd(x, w, b).astype(jnp.float32)), argnums=(0, 1, 2))
 
 
-def bench_jax(case: Case, contender: str, inputs: Inputs, settings: Settings):
-    program = jax.jit(jax_program(case, contender))
+class HandlerCountingClock(WallClock):
+    """The wall clock, also counting our FFI handler's runs between start and stop
+    (stop waits for the outputs, so every run of the timed calls has happened)."""
+
+    runs = 0
+
+    def start(self) -> None:
+        self._runs0 = _ffi.handler_stats()[0]
+        super().start()
+
+    def stop(self, out) -> float:
+        seconds = super().stop(out)
+        self.runs += _ffi.handler_stats()[0] - self._runs0
+        return seconds
+
+
+def bench_jax_group(case: Case, names: list[str], inputs: Inputs, settings: Settings) -> list[tuple]:
+    """The JAX contenders of one case, timed interleaved: [(timing, extra)] in order."""
+    programs = [jax.jit(jax_program(case, name)) for name in names]
     sets = inputs.jax()
-    runs_before = _ffi.handler_stats()[0]
+    clocks = [HandlerCountingClock() for _ in names]
+    calls = [lambda i, p=p: p(*sets[i % len(sets)]) for p in programs]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", FastPathWarning)
-        timing = measure(lambda i: program(*sets[i % len(sets)]), WallClock(), settings)
-    extra = {}
-    if contender.startswith("jax_epilog"):
-        extra["handler_runs"] = _ffi.handler_stats()[0] - runs_before
-        fell_back = [str(w.message) for w in caught if issubclass(w.category, FastPathWarning)]
-        if fell_back:
-            extra["note"] = fell_back[0]
-    return timing, extra
+        timings = measure_interleaved(list(zip(calls, clocks)), settings)
+    fell_back = [str(w.message) for w in caught if issubclass(w.category, FastPathWarning)]
+    results = []
+    for name, timing, clock in zip(names, timings, clocks):
+        extra = {}
+        if name.startswith("jax_epilog"):
+            extra["handler_runs"] = clock.runs
+            if fell_back and name == "jax_epilog":  # the one that always asks for the fused path
+                extra["note"] = fell_back[0]
+        results.append((timing, extra))
+    return results
 
 
 def _import_torch():
@@ -426,14 +467,25 @@ def failure_reason(exc: BaseException) -> str:
 
 def run_one(case: Case, contender: str, inputs: Inputs, settings: Settings) -> dict:
     """Time one contender on one case; any failure becomes a row with its reason."""
-    bench = BENCH.get(contender, bench_jax)
+    return run_group(case, [contender], inputs, settings)[0]
+
+
+def run_group(case: Case, names: list[str], inputs: Inputs, settings: Settings) -> list[dict]:
+    """Time contenders on one case (several only if all are JAX's: interleaved). A failure
+    becomes a row with its reason; a group that fails is retried one contender at a time,
+    so one failing contender does not take the others' rows with it."""
     try:
-        timing, extra = bench(case, contender, inputs, settings)
-        return make_row(case, contender, timing, **extra)
-    except Skip as exc:
-        return make_row(case, contender, skipped=str(exc))
+        if names[0] in BENCH:  # torch and nvmath: one at a time
+            (name,) = names
+            results = [BENCH[name](case, name, inputs, settings)]
+        else:
+            results = bench_jax_group(case, names, inputs, settings)
+        return [make_row(case, name, timing, **extra) for name, (timing, extra) in zip(names, results)]
     except Exception as exc:  # noqa: BLE001 -- one failing contender must not end the run
-        return make_row(case, contender, skipped=failure_reason(exc))
+        if len(names) > 1:
+            return [row for name in names for row in run_group(case, [name], inputs, settings)]
+        reason = str(exc) if isinstance(exc, Skip) else failure_reason(exc)
+        return [make_row(case, names[0], skipped=reason)]
 
 
 class Progress:
@@ -455,9 +507,21 @@ def describe(row: dict) -> str:
     return f"{row['us']:.1f} µs, {_tf(row['tflops'])} TF/s ({row['samples']} x {row['iters']} calls)"
 
 
+def _jax_group(todo: list[tuple[Case, str]], start: int) -> list[str]:
+    """The JAX contenders of todo[start]'s case that follow it: they are timed together."""
+    case, names = todo[start][0], []
+    for other, name in todo[start:]:
+        if other != case or name in BENCH:
+            break
+        names.append(name)
+    return names
+
+
 def run_jobs(todo: list[tuple[Case, str]], settings: Settings, progress: Progress, on_row=None) -> list[dict]:
-    rows, inputs = [], None
-    for case, contender in todo:
+    """Every job, in order; a case's consecutive JAX contenders are timed interleaved."""
+    rows, inputs, i = [], None, 0
+    while i < len(todo):
+        case, contender = todo[i]
         problem = (case.m, case.k, case.n, case.dtype, case.bias_dtype)
         if inputs is None or inputs.problem != problem:
             # Host data is reused across dtypes; the last problem's device copies are
@@ -466,13 +530,16 @@ def run_jobs(todo: list[tuple[Case, str]], settings: Settings, progress: Progres
             host = inputs.host if same_shape else None
             inputs = None
             inputs = Inputs(case, host)
-        row = run_one(case, contender, inputs, settings)
-        rows.append(row)
-        progress.report(
-            f"{case.shape} {case.dtype}{_ct(case)} {case.activation} {case.mode} {contender}", describe(row)
-        )
-        if on_row is not None:
-            on_row(rows)
+        names = [contender] if contender in BENCH else _jax_group(todo, i)
+        for row in run_group(case, names, inputs, settings):
+            rows.append(row)
+            progress.report(
+                f"{case.shape} {case.dtype}{_ct(case)} {case.activation} {case.mode} {row['contender']}",
+                describe(row),
+            )
+            if on_row is not None:
+                on_row(rows)
+        i += len(names)
     return rows
 
 
@@ -795,6 +862,57 @@ def _host_lines(host: dict) -> list[str]:
     return lines
 
 
+def auto_vs_xla(rows: list[dict]) -> dict | None:
+    """How "auto" compares with XLA's jit, and the noise to read that against.
+
+    Where "auto" ran XLA's own program (our handler never ran), its row and the "xla" row
+    time the same executable, interleaved: their difference is the measurement's noise.
+    """
+    pairs = {}
+    for r in rows:
+        if r["contender"] in ("xla", "jax_epilog_auto") and r["us"] is not None:
+            pairs.setdefault(row_key(r), {})[r["contender"]] = r
+    ratios, same_program = [], []
+    for by in pairs.values():
+        if len(by) < 2:
+            continue
+        auto, xla = by["jax_epilog_auto"], by["xla"]
+        ratio = xla["us"] / auto["us"]
+        label = f"{auto['shape']} {auto['dtype']} {auto['activation']} {auto['mode']}"
+        ratios.append((ratio, label))
+        if auto.get("handler_runs") == 0:
+            same_program.append(abs(ratio - 1))
+    if not ratios:
+        return None
+    worst = min(ratios)
+    return {
+        "cases": len(ratios),
+        "worst_ratio": worst[0],
+        "worst_case": worst[1],
+        "same_program_cases": len(same_program),
+        "noise_median": statistics.median(same_program) if same_program else None,
+        "noise_max": max(same_program) if same_program else None,
+    }
+
+
+def _auto_lines(summary: dict | None) -> list[str]:
+    if not summary:
+        return []
+    s = summary
+    lines = [
+        '## "auto" against XLA', "",
+        f'Slowest "auto" case against XLA\'s jit: {s["worst_ratio"]:.3f}× ({s["worst_case"]}), '
+        f'over {s["cases"]} cases (XLA µs / auto µs; below 1: auto is slower).',
+    ]  # fmt: skip
+    if s["same_program_cases"]:
+        lines.append(
+            f'Noise: in {s["same_program_cases"]} cases "auto" ran XLA\'s own program (the handler never ran), '
+            f"so its row and the xla row time one executable; they differ by {s['noise_median'] * 100:.1f}% "
+            f"(median), {s['noise_max'] * 100:.1f}% at most."
+        )
+    return lines
+
+
 def render_markdown(results: dict) -> str:
     v, st = results["versions"], results.get("settings", {})
     shown = ("jax", "jaxlib", "python", "driver", "cublasLt", "nvmath", "cupy", "torch")
@@ -816,6 +934,7 @@ def render_markdown(results: dict) -> str:
     ]
     for key, rows in group_rows(results["rows"]).items():
         lines += ["", f"## {table_title(key)}", "", *_markdown_table(rows)]
+    lines += ["", *_auto_lines(auto_vs_xla(results["rows"]))]
     if results.get("ceiling"):
         lines += ["", *_ceiling_lines(results["ceiling"])]
     if results.get("host"):
@@ -937,6 +1056,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         "command": ["python", "-m", "benchmarks.run", *argv],
         "settings": asdict(settings),
         "rows": rows,
+        "auto_vs_xla": auto_vs_xla(rows),
         "ceiling": ceiling,
         "host": host,
     }

@@ -103,6 +103,50 @@ def test_measure_adapts_batch_length():
     assert t.us == pytest.approx(1000.0) and t.samples == 3 and t.calls == sum(clock.batches)
 
 
+def test_interleaved_samples_take_turns():
+    order = []
+
+    class Clock(_FakeClock):
+        def __init__(self, name, ms):
+            super().__init__()
+            self.name, self.ms = name, ms
+
+        def stop(self, out):
+            order.append(self.name)
+            return self.calls * self.ms * 1e-3
+
+    def counting(clock):
+        def call(i):
+            clock.calls += 1
+
+        return call
+
+    a, b = Clock("a", 1.0), Clock("b", 3.0)
+    settings = run.Settings(samples=3, min_calls=5, sample_s=0.02, warmup=2)
+    ta, tb = run.measure_interleaved([(counting(a), a), (counting(b), b)], settings)
+    assert order == ["a", "a", "b", "b"] + ["a", "b"] * 3  # warm-up + calibration each, then in turn
+    assert ta.us == pytest.approx(1000.0) and tb.us == pytest.approx(3000.0)
+    assert ta.iters >= 20 and 5 <= tb.iters < ta.iters and tb.samples == 3
+
+
+def test_auto_vs_xla_reads_noise_from_identical_programs():
+    def row(contender, us, act="relu", runs=None):
+        r = dict(shape="8x8->8", m=8, k=8, n=8, dtype="bfloat16", bias_dtype="bfloat16", activation=act,
+                 mode="fwd", compute_type=None, contender=contender, us=us)  # fmt: skip
+        return r | ({"handler_runs": runs} if runs is not None else {})
+
+    rows = [
+        row("xla", 100.0), row("jax_epilog_auto", 102.0, runs=0),  # XLA's program twice
+        row("xla", 150.0, "gelu"), row("jax_epilog_auto", 120.0, "gelu", runs=40),  # fused
+        row("xla", 10.0, "none"), row("jax_epilog_auto", None, "none", runs=0),  # not measured
+    ]
+    s = run.auto_vs_xla(rows)
+    assert s["cases"] == 2 and s["same_program_cases"] == 1
+    assert s["worst_ratio"] == pytest.approx(100 / 102) and "relu" in s["worst_case"]
+    assert s["noise_max"] == pytest.approx(2 / 102)
+    assert run.auto_vs_xla([row("xla", 1.0)]) is None
+
+
 def _tiny(mode="fwd", activation="relu"):
     return Case(4, 8, 16, "float32", "float32", activation, mode)
 
@@ -309,3 +353,21 @@ def test_plots(tmp_path):
     assert all(p.stat().st_size > 1000 for p in written)
     labels, series = plot.speedup_series(_results()["rows"][:4])
     assert labels == ["4x8->16\nrelu"] and series == {"jax_epilog": [2.5]}
+
+
+def test_run_jobs_times_a_cases_jax_contenders_together(monkeypatch):
+    groups = []
+    real = run.bench_jax_group
+
+    def spy(case, names, inputs, settings):
+        groups.append(list(names))
+        return real(case, names, inputs, settings)
+
+    monkeypatch.setattr(run, "bench_jax_group", spy)
+    case = _tiny()
+    todo = [(case, "jax_epilog"), (case, "jax_epilog_auto"), (case, "xla"), (case, "nvmath"),
+            (case._replace(activation="gelu"), "xla")]  # fmt: skip
+    rows = run.run_jobs(todo, run.SMOKE, run.Progress(len(todo)))
+    assert [r["contender"] for r in rows] == [name for _, name in todo]
+    assert groups == [["jax_epilog", "jax_epilog_auto", "xla"], ["xla"]]
+    assert all(r["us"] > 0 for r in rows if r["contender"] != "nvmath")

@@ -349,7 +349,8 @@ class HandlerCountingClock(WallClock):
     """The wall clock, also counting our FFI handler's runs between start and stop
     (stop waits for the outputs, so every run of the timed calls has happened)."""
 
-    runs = 0
+    def __init__(self):
+        self.runs = 0
 
     def start(self) -> None:
         self._runs0 = _ffi.handler_stats()[0]

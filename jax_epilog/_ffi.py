@@ -56,8 +56,8 @@ _WORDS = memoryview((ctypes.c_uint64 * (1 << 59)).from_address(0)).cast("B").cas
 _LOW32 = 0xFFFFFFFF
 
 _u64 = ctypes.c_uint64
-_now = time.perf_counter_ns
 _i32 = ctypes.c_int32
+_now = time.perf_counter_ns
 # XLA_FFI_Stream_Get is trivial: call it without releasing the GIL (a release would make
 # this thread wait for the GIL again, behind whatever Python code is running).
 _STREAM_GET_FN = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)

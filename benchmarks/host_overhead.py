@@ -47,6 +47,18 @@ def main():
         plan.run(s, a, b, flip[i[0]], d, aux)
 
     print(f"Plan.run alternating bias   {per_call_us(alternating):6.2f} µs")
+    # As when XLA hands each call other operand and output addresses: does cuBLASLt's own
+    # per-call cost depend on the pointers it saw last? (bias and aux stay, so our code
+    # sets no descriptor attribute here.)
+    arrays = [cp.zeros(1 << 20, cp.uint8) for _ in range(24)]
+    sets = [tuple(x.data.ptr for x in arrays[j : j + 3]) for j in range(0, 24, 3)]
+
+    def rotating():
+        i[0] = (i[0] + 1) % len(sets)
+        a_, b_, d_ = sets[i[0]]
+        plan.run(s, a_, b_, bias, d_, aux)
+
+    print(f"Plan.run A, B, D rotating over 8 sets {per_call_us(rotating):6.2f} µs")
     lay = plan._layouts
 
     def raw():

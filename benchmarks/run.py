@@ -661,7 +661,7 @@ def _repeat(layer, steps: int):
 
 
 HOST_STEPS, CHAIN_DEPTH = 64, 16
-N_CEILING, N_HOST = 2, 4 + 2 * 2  # measurements, for the progress counter
+N_CEILING, N_HOST = 2, 4 + 2 * 2 * 2  # measurements, for the progress counter
 
 
 def bench_host(settings: Settings, scale: int, progress: Progress, on_gpu: bool) -> dict:
@@ -690,25 +690,35 @@ def bench_host(settings: Settings, scale: int, progress: Progress, on_gpu: bool)
                 | {"handler_runs": runs, "handler_host_us": host_us}
             )
             progress.report(f"host: {m}x{k}->{k} relu {name}, {what}", f"{t.us / steps:.1f} µs per call")
+    # Weights stacked in one array and sliced in the jit (XLA folds the slices into the
+    # custom call), or one array per layer as Flax's layers hold them: XLA compiles its own
+    # chain differently for the two (benchmarks/README.md, "Chains").
+    layouts = {"stacked": (ws, bs), "per-layer": (tuple(ws), tuple(bs))}
     chains = []
     for act in RELU_GELU:
-        entry = {"layers": CHAIN_DEPTH, "shape": f"{m}x{k}->{k}", "activation": act}
-        for name, layer in layers.items():
-            chain = forward._chain(layer(act), CHAIN_DEPTH)
+        for weights, (w_arg, b_arg) in layouts.items():
+            entry = {"layers": CHAIN_DEPTH, "shape": f"{m}x{k}->{k}", "activation": act, "weights": weights}
+            programs = [forward._chain(layers[name](act), CHAIN_DEPTH) for name in layers]
+            clocks = [HandlerCountingClock() for _ in layers]
             before = _ffi.handler_stats()
-            t = measure(lambda i, p=chain: p(x, ws, bs), WallClock(), settings)
-            runs, host_us = _handler_since(before)
-            entry[f"{name}_us"] = t.us
-            if name == "jax_epilog":
-                layer_runs = t.calls * CHAIN_DEPTH
-                verdict = command_buffer_verdict(runs, layer_runs, on_gpu)
-                entry.update(
-                    handler_runs=runs, layer_runs=layer_runs, handler_host_us=host_us, command_buffers=verdict
-                )
-            progress.report(
-                f"host: chain of {CHAIN_DEPTH} {m}x{k}->{k} {act} {name}", f"{t.us:.1f} µs per step"
+            timings = measure_interleaved(
+                [(lambda i, p=p: p(x, w_arg, b_arg), clock) for p, clock in zip(programs, clocks)], settings
             )
-        chains.append(entry)
+            _, host_us = _handler_since(before)
+            for name, t, clock in zip(layers, timings, clocks):
+                entry[f"{name}_us"] = t.us
+                if name == "jax_epilog":
+                    layer_runs = t.calls * CHAIN_DEPTH
+                    verdict = command_buffer_verdict(clock.runs, layer_runs, on_gpu)
+                    entry.update(
+                        handler_runs=clock.runs, layer_runs=layer_runs, handler_host_us=host_us,
+                        command_buffers=verdict,
+                    )  # fmt: skip
+                progress.report(
+                    f"host: chain of {CHAIN_DEPTH} {m}x{k}->{k} {act}, {weights} weights, {name}",
+                    f"{t.us:.1f} µs per step",
+                )
+            chains.append(entry)
     return {"single": single, "chain": chains}
 
 
@@ -849,7 +859,7 @@ def _host_lines(host: dict) -> list[str]:
         runs = f"{h['handler_runs']} / {h['calls']}"
         lines.append(_md_row(h["what"], h["contender"], _f(h["us_per_call"]), runs, _f(h["handler_host_us"])))
     lines += [""] + _md_header(
-        "chain", "act", "fused_dense µs/step", "XLA µs/step", "XLA/fused", "handler runs / layer runs",
+        "chain", "act", "weights", "fused_dense µs/step", "XLA µs/step", "XLA/fused", "handler runs / layer runs",
         "handler host µs per run", "command buffers",
     )  # fmt: skip
     for c in host["chain"]:
@@ -857,8 +867,9 @@ def _host_lines(host: dict) -> list[str]:
         runs = f"{c['handler_runs']} / {c['layer_runs']}"
         chain = f"{c['layers']}× {c['shape']}"
         times = (_f(c["jax_epilog_us"]), _f(c["xla_us"]), ratio)
+        weights = c.get("weights", "stacked")
         lines.append(
-            _md_row(chain, c["activation"], *times, runs, _f(c["handler_host_us"]), c["command_buffers"])
+            _md_row(chain, c["activation"], weights, *times, runs, _f(c["handler_host_us"]), c["command_buffers"])
         )
     return lines
 

@@ -311,6 +311,7 @@ def test_markdown_rendering():
     assert "xla_cublaslt: flag refused" in md and "torch_linear: torch is not importable" in md
     assert "578.7 TF/s" in md and "4295 GB/s" in md
     assert "| 3 / 1600 |" in md and "captured" in md
+    assert "| 16× 256x1024->1024 | relu | stacked | 100.0 | 120.0 | 1.20× |" in md  # results without "weights"
     assert "Notes: jax_epilog 4x8->16 relu: fell back" in md
 
 

@@ -372,3 +372,22 @@ def test_run_jobs_times_a_cases_jax_contenders_together(monkeypatch):
     assert [r["contender"] for r in rows] == [name for _, name in todo]
     assert groups == [["jax_epilog", "jax_epilog_auto", "xla"], ["xla"]]
     assert all(r["us"] > 0 for r in rows if r["contender"] != "nvmath")
+
+
+def test_chain_layout_counts_the_optimized_hlo():
+    from benchmarks import chain_layout
+
+    text = """HloModule m
+%fused (p: bf16[4]) -> bf16[4] {
+  %s = bf16[4]{0} slice(bf16[8]{0} %p), slice={[0:4]}
+  ROOT %c = bf16[4]{0} custom-call(%s), custom_call_target="jax_epilog_fused_matmul"
+}
+ENTRY %main (w: bf16[8]) -> bf16[4] {
+  %w = bf16[8]{0} parameter(0)
+  %copy.1 = bf16[8]{0} copy(%w)
+  %g = bf16[4]{0} custom-call(%copy.1), custom_call_target="__cublas$lt$matmul"
+  ROOT %f = bf16[4]{0} fusion(%g), kind=kCustom, calls=%fused
+}
+"""
+    counts = chain_layout.hlo_counts(text)
+    assert counts == {"ours": 1, "xla_gemm": 1, "copies": 1, "slices": 1, "top_fusions": 1}

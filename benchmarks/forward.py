@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.timing import Settings, WallClock, measure_interleaved
 from jax_epilog import _ffi, fused_dense
 
 REPEATS, ITERS = 7, 30  # ITERS: the fewest back-to-back calls in one sample
@@ -40,36 +41,15 @@ def _act(name):
     return jax.nn.relu if name == "relu" else partial(jax.nn.gelu, approximate=True)
 
 
-def _calls_per_sample(f, *args) -> int:
-    """Back-to-back calls that fill SAMPLE_S (at least ITERS): a short sample would
-    charge one call's whole dispatch-to-completion latency to a few calls."""
-    jax.block_until_ready(f(*args))
-    jax.block_until_ready(f(*args))
-    start = time.perf_counter()
-    for _ in range(3):
-        out = f(*args)
-    jax.block_until_ready(out)
-    per_call = (time.perf_counter() - start) / 3
-    return int(min(2000, max(ITERS, SAMPLE_S / per_call)))
-
-
-def _sample(f, args, iters: int) -> float:
-    start = time.perf_counter()
-    for _ in range(iters):
-        out = f(*args)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - start) / iters * 1e6
+# Samples as the suite takes them (benchmarks/timing.py), with this benchmark's counts.
+SETTINGS = Settings(samples=REPEATS, min_calls=ITERS, sample_s=SAMPLE_S, max_calls=2000)
 
 
 def time_jax_interleaved(*cases) -> list[float]:
     """Median µs per call for each ``(f, args)``, their samples taken in turn (A B A B ...)
     so that clock or thermal drift during the run affects every contender alike."""
-    iters = [_calls_per_sample(f, *args) for f, args in cases]
-    samples = [[] for _ in cases]
-    for _ in range(REPEATS):
-        for (f, args), n, out in zip(cases, iters, samples):
-            out.append(_sample(f, args, n))
-    return [statistics.median(s) for s in samples]
+    calls = [(lambda i, f=f, args=args: f(*args), WallClock()) for f, args in cases]
+    return [t.us for t in measure_interleaved(calls, SETTINGS)]
 
 
 def time_nvmath(m, k, n, dtype, bias_dtype, activation) -> tuple[float, float] | None:

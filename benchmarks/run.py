@@ -20,7 +20,6 @@ import argparse
 import datetime
 import inspect
 import json
-import math
 import os
 import platform
 import re
@@ -29,9 +28,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 from typing import NamedTuple
@@ -41,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import forward
+from benchmarks.timing import EventClock, Settings, Timing, WallClock, measure, measure_interleaved
 from jax_epilog import FastPathWarning, _ffi, fused_dense
 
 REPO = Path(__file__).resolve().parents[1]
@@ -144,101 +143,10 @@ def input_copies(case: Case) -> int:
 
 
 # --------------------------------------------------------------------------------- timing
-
-
-@dataclass(frozen=True)
-class Settings:
-    samples: int = 5  # timed batches; the row reports their median
-    min_calls: int = 20  # calls per batch, at least
-    sample_s: float = 0.02  # and at least this long
-    warmup: int = 2
-    max_calls: int = 50_000
-
+# (the method is in benchmarks/timing.py)
 
 QUICK, FULL = Settings(samples=5), Settings(samples=7)
 SMOKE = Settings(samples=2, min_calls=2, sample_s=0.0, warmup=1)
-
-
-class Timing(NamedTuple):
-    us: float  # median µs per call
-    samples: int
-    iters: int  # calls per sample
-    calls: int  # calls made in all, warm-up included
-
-
-def measure(call, clock, settings: Settings) -> Timing:
-    """Time ``call(i)`` (the i-th call; it picks its own input set) in batches.
-
-    Each batch issues back-to-back calls between ``clock.start()`` and
-    ``clock.stop(last_output)``, which synchronises. After warm-up a first batch of
-    ``min_calls`` calls sets the batch length so that each batch lasts ``sample_s``.
-    """
-    return measure_interleaved([(call, clock)], settings)[0]
-
-
-def measure_interleaved(contenders: list[tuple], settings: Settings) -> list[Timing]:
-    """``measure`` for several (call, clock) pairs at once, samples taken in turn.
-
-    Every contender is warmed up and its batch length set first; then the samples go
-    round: sample s of each contender before sample s + 1 of any. The GPU's clocks drift
-    over a run (by several per cent over seconds of sustained load), and this way the
-    drift touches every contender alike instead of whichever ran last.
-    """
-    made = [0] * len(contenders)
-
-    def batch(j: int, count: int) -> float:
-        call, clock = contenders[j]
-        out = None
-        clock.start()
-        for i in range(made[j], made[j] + count):
-            out = call(i)
-        made[j] += count
-        return clock.stop(out)
-
-    iters = []
-    for j in range(len(contenders)):
-        batch(j, settings.warmup)
-        first = batch(j, settings.min_calls)
-        count = settings.min_calls
-        if first < settings.sample_s:
-            count = min(settings.max_calls, math.ceil(count * 1.1 * settings.sample_s / max(first, 1e-9)))
-        iters.append(count)
-    seconds = [[] for _ in contenders]
-    for _ in range(settings.samples):
-        for j, count in enumerate(iters):
-            seconds[j].append(batch(j, count) / count)
-    return [
-        Timing(statistics.median(s) * 1e6, len(s), count, calls)
-        for s, count, calls in zip(seconds, iters, made)
-    ]
-
-
-class WallClock:
-    """The host's clock around dispatched JAX calls, read after block_until_ready."""
-
-    def start(self) -> None:
-        self._t0 = time.perf_counter()
-
-    def stop(self, out) -> float:
-        jax.block_until_ready(out)
-        return time.perf_counter() - self._t0
-
-
-class EventClock:
-    """CUDA events on the current stream (torch's or CuPy's)."""
-
-    def __init__(self, new_event, elapsed_ms):
-        self._new, self._elapsed_ms = new_event, elapsed_ms
-
-    def start(self) -> None:
-        self._begin = self._new()
-        self._begin.record()
-
-    def stop(self, out) -> float:
-        end = self._new()
-        end.record()
-        end.synchronize()
-        return self._elapsed_ms(self._begin, end) / 1e3
 
 
 # --------------------------------------------------------------------------------- inputs

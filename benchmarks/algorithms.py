@@ -6,16 +6,17 @@
 For each epilog of the forward (and the backward's kernel-gradient GEMM, with and without
 the BGRADA bias-gradient epilog) at two transformer shapes, this plans the problem as
 jax_epilog does (``_nvmath.Plan``, heuristic first choice), then times on the GPU (CUDA
-events, median of 5 x 40 launches, bf16 operands ~ N(0, 1)): the heuristic's first choice,
-the best of its top 8, the same with any split-K reduction scheme and 1 GiB of workspace
-allowed, and nvmath's own first choice. The last line per shape times XLA's GEMMs for the
-backward (jitted, back to back). This measurement is why plans made at lowering time are
-autotuned (``_nvmath.Plan._time_candidates``). Results: benchmarks/results/*/algorithms.txt.
+events around a CUDA graph of 40 launches, median of 5, bf16 operands ~ N(0, 1)): the
+heuristic's first choice, the best of its top 8, the same with any split-K reduction scheme
+and 1 GiB of workspace allowed, and nvmath's own first choice. The last line per shape
+times XLA's GEMMs for the backward (jitted, back to back). This measurement is why plans
+made at lowering time are autotuned (``_nvmath.Plan._time_candidates``). Results:
+benchmarks/results/*/algorithms.txt.
 
 ``--tuning`` checks the autotuner itself at one shape (default 8192x4096->16384): every
-candidate it considered, with the time it measured at planning (scratch operands, 2 rounds
-of 5 launches) beside the time measured here (median of 5 x 40), and
-which one it chose against the fastest here.
+candidate it considered, with the time it measured at planning (scratch operands, best of
+2 rounds, each a CUDA graph of 5-50 launches) beside the time measured here (as above),
+and which one it chose against the fastest here.
 """
 
 from __future__ import annotations
@@ -68,15 +69,21 @@ class Timer:
         return data.ptr
 
     def gpu_us(self, launch, n=40) -> float:
+        """Median of 5 timings of ``n`` launches captured in one CUDA graph (GPU time only:
+        launched one by one, a small GEMM would be timed at the host's launch rate)."""
         launch()
-        launch()
-        self.stream.synchronize()
+        self.stream.begin_capture(_nvmath._CAPTURE_RELAXED)
+        try:
+            for _ in range(n):
+                launch()
+        finally:
+            graph = self.stream.end_capture()
+        graph.launch(self.stream)
         samples = []
         for _ in range(5):
             start, end = cp.cuda.Event(), cp.cuda.Event()
             start.record(self.stream)
-            for _ in range(n):
-                launch()
+            graph.launch(self.stream)
             end.record(self.stream)
             end.synchronize()
             samples.append(cp.cuda.get_elapsed_time(start, end) * 1e3 / n)

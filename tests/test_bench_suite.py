@@ -5,6 +5,8 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
@@ -391,3 +393,23 @@ ENTRY %main (w: bf16[8]) -> bf16[4] {
 """
     counts = chain_layout.hlo_counts(text)
     assert counts == {"ours": 1, "xla_gemm": 1, "copies": 1, "slices": 1, "top_fusions": 1}
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_backward_variants_compute_the_same_gradients(activation):
+    """Each contender of benchmarks.backward_variants differentiates the same layer."""
+    from benchmarks import backward_variants as bv
+
+    rng = np.random.default_rng()
+    x, w, b = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((37, 19), (19, 23), (23,)))
+    loss = bv.LOSSES["sq"]
+    with jax.default_matmul_precision("highest"):  # XLA's float32 dot on a GPU: not TF32
+        grads = {
+            name: jax.grad(lambda x, w, b, f=f: loss(f(x, w, b)), argnums=(0, 1, 2))(x, w, b)
+            for name, f in bv.layers(activation).items()
+        }
+    for name, got in grads.items():
+        for g, want in zip(got, grads["xla"]):
+            np.testing.assert_allclose(g, want, rtol=1e-4, atol=1e-4, err_msg=name)
+    assert "bgrada" in bv.render([dict(shape="1x1->1", part="kernel gradient", bgrada_us=1.0,
+                                       xla_dot_sum_us=1.0, xla_dot_us=1.0)]).lower()  # fmt: skip

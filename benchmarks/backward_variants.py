@@ -1,0 +1,156 @@
+"""Which backward should fused_dense use? fwd+bwd variants timed side by side.
+
+    python -m benchmarks.backward_variants [--out DIR]
+
+For each M×K→N of benchmarks.training (bf16) and relu/gelu, this times
+``jax.jit(jax.grad(loss, argnums=(0, 1, 2)))`` (median of 7 interleaved samples, as
+benchmarks.forward) for four layers:
+
+- ``xla``: the plain expression ``act(x @ w + b)``, differentiated by XLA;
+- ``cublaslt``: ``fused_dense(..., implementation="cublaslt")``: the fused forward saves the
+  aux; the backward's kernel and bias gradients come from one BGRADA GEMM;
+- ``aux+xla``: the fused forward with its aux, then the backward from that aux with XLA's
+  GEMMs and a separate reduction for the bias gradient (a custom_vjp written here);
+- ``auto``: ``fused_dense``'s default.
+
+and two losses: ``sum``, ``sum(act(z))`` as in the issue's anchor (XLA's program then never
+computes act(z) itself: only its derivative is needed), and ``sq``, ``sum(act(z)**2) / 2``,
+where the layer's output is used as in a real network. A last row per shape times the
+kernel-gradient GEMM alone: BGRADA against XLA's ``x.T @ dz`` with and without
+``dz.sum(0)``. Results: benchmarks/results/*/backward_variants.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.forward import _act, time_jax_interleaved, versions
+from benchmarks.training import GRAD_SHAPES, layer_inputs
+from jax_epilog import _reference, fused_dense
+from jax_epilog._epilogs import Activation, ComputeType
+from jax_epilog._primitive import fused_weight_grad
+
+CT = ComputeType.COMPUTE_32F
+LOSSES = {
+    "sum": lambda y: jnp.sum(y, dtype=jnp.float32),
+    "sq": lambda y: 0.5 * jnp.sum(jnp.square(y.astype(jnp.float32))),
+}
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def aux_then_xla(x, w, b, activation: str):
+    """The fused forward; under grad, a backward from its aux with XLA's GEMMs."""
+    return fused_dense(x, w, b, activation=activation, implementation="cublaslt")
+
+
+def _aux_fwd(x, w, b, activation):
+    y, aux = fused_dense(x, w, b, activation=activation, return_aux=True, implementation="cublaslt")
+    return y, (x, w, aux)
+
+
+def _aux_bwd(activation, residuals, dy):
+    x, w, aux = residuals
+    dz = _reference.output_grad(aux, dy, None, Activation(activation), CT, x.dtype)
+    dw, db = _reference.weight_grad(x, dz, CT, w.dtype, with_bias=True)
+    return _reference.input_grad(dz, w, CT), dw, db
+
+
+aux_then_xla.defvjp(_aux_fwd, _aux_bwd)
+
+
+def layers(activation):
+    act = _act(activation)
+    return {
+        "xla": lambda x, w, b: act(x @ w + b),
+        "cublaslt": lambda x, w, b: fused_dense(x, w, b, activation=activation, implementation="cublaslt"),
+        "aux+xla": lambda x, w, b: aux_then_xla(x, w, b, activation),
+        "auto": lambda x, w, b: fused_dense(x, w, b, activation=activation),
+    }
+
+
+def bench(rows, shapes=GRAD_SHAPES):
+    for m, k, n in shapes:
+        rng = np.random.default_rng(3)
+        x, w, b = layer_inputs(m, k, n, rng)
+        for activation in ("relu", "gelu"):
+            for loss_name, loss in LOSSES.items():
+                grads = {
+                    name: jax.jit(
+                        jax.grad(lambda x, w, b, f=f, loss=loss: loss(f(x, w, b)), argnums=(0, 1, 2))
+                    )
+                    for name, f in layers(activation).items()
+                }
+                times = time_jax_interleaved(*((g, (x, w, b)) for g in grads.values()))
+                row = dict(shape=f"{m}x{k}->{n}", activation=activation, loss=loss_name,
+                           **{f"{name}_us": t for name, t in zip(grads, times)})  # fmt: skip
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        dz = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
+        parts = [
+            jax.jit(lambda x, dz: fused_weight_grad(x, dz, compute_type=CT, d_dtype="bfloat16")),
+            jax.jit(lambda x, dz: _reference.weight_grad(x, dz, CT, "bfloat16", with_bias=True)),
+            jax.jit(lambda x, dz: _reference.weight_grad(x, dz, CT, "bfloat16", with_bias=False)[0]),
+        ]
+        times = time_jax_interleaved(*((p, (x, dz)) for p in parts))
+        row = dict(shape=f"{m}x{k}->{n}", part="kernel gradient", bgrada_us=times[0],
+                   xla_dot_sum_us=times[1], xla_dot_us=times[2])  # fmt: skip
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+
+def render(rows) -> str:
+    names = ("xla", "cublaslt", "aux+xla", "auto")
+    lines = [
+        "| M×K→N (bf16) | act | loss | "
+        + " | ".join(f"{n} µs" for n in names)
+        + " | XLA/cublaslt | XLA/aux+xla | XLA/auto |",
+        "|---|---|---|" + "---|" * (len(names) + 3),
+    ]
+    for r in rows:
+        if "loss" not in r:
+            continue
+        t = [r[f"{n}_us"] for n in names]
+        cells = [f"{v:.1f}" for v in t] + [f"{t[0] / v:.2f}×" for v in t[1:]]
+        lines.append(f"| {r['shape']} | {r['activation']} | {r['loss']} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "| M×K→N (bf16) | BGRADA GEMM µs | XLA x.T @ dz + dz.sum(0) µs | XLA x.T @ dz µs |",
+        "|---|---|---|---|",
+    ]
+    for r in rows:
+        if r.get("part") == "kernel gradient":
+            lines.append(
+                f"| {r['shape']} | {r['bgrada_us']:.1f} | {r['xla_dot_sum_us']:.1f} | {r['xla_dot_us']:.1f} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", default=None, help="folder for backward_variants.{json,md}")
+    parser.add_argument("--shape", type=int, nargs=3, action="append", metavar=("M", "K", "N"),
+                        help="M K N instead of benchmarks.training's shapes (repeatable)")  # fmt: skip
+    args = parser.parse_args(argv)
+    rows: list[dict] = []
+    bench(rows, [tuple(s) for s in args.shape] if args.shape else GRAD_SHAPES)
+    table = render(rows)
+    print(table)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "backward_variants.json"), "w") as fh:
+            json.dump(dict(versions=versions(), rows=rows), fh, indent=1)
+        with open(os.path.join(args.out, "backward_variants.md"), "w") as fh:
+            fh.write(table)
+
+
+if __name__ == "__main__":
+    main()

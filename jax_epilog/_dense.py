@@ -229,10 +229,12 @@ def _implementation(value, ct: ComputeType, return_aux: bool) -> str:
 def _auto_fuses(activation: Activation | None, m: int, n: int, k: int) -> bool:
     """The "auto" rule for a forward pass (benchmarks/README.md, H200, bf16, autotuned):
     GELU on a large layer, where XLA leaves the GELU unfused and the fused kernel measured
-    1.05-1.32x XLA. Not ReLU or no activation: XLA fuses bias + ReLU into its own cuBLASLt
-    call and the fused kernel measured 0.96-1.01x. Not small layers (fewer than 1024 rows or
-    M*N*K < 2**33): there the fused call's host cost (JAX dispatch plus our Python FFI
-    handler, ~23 µs) is not hidden by the GPU time (0.70-0.84x)."""
+    1.06-1.48x XLA (the suite's last two runs). Not ReLU or no activation: XLA fuses bias +
+    ReLU into its own cuBLASLt call and the fused kernel measured 0.98-1.01x. Not small
+    layers (fewer than 1024 rows or M*N*K < 2**33): as single jitted calls the fused call's
+    host cost (JAX dispatch plus our Python FFI handler, ~23 µs) is not hidden by the GPU
+    time (0.63-0.84x). Inside XLA's command buffers small fused layers do win (16-layer
+    chains), but an op cannot know at tracing whether XLA will capture it."""
     return activation is Activation.GELU and m >= 1024 and m * n * k >= 2**33
 
 

@@ -179,6 +179,22 @@ def bench_chain(rows, depth=16):
             print(json.dumps(row), flush=True)
 
 
+def tuning_choices(plans: dict) -> dict[str, str]:
+    """The autotuner's choice per tuned plan, e.g. {"RELU_BIAS 256x1024->1024 bfloat16
+    (align 256)": "candidate 0 of 8 at 4.02 µs; next best 4.19 µs"}: whether two processes
+    chose alike (chain timings differed between runs of the same code)."""
+    choices = {}
+    for (spec, _device, alignment), plan in plans.items():
+        if not plan.tuning:
+            continue
+        order = sorted(range(len(plan.tuning)), key=plan.tuning.__getitem__)
+        best, runner_up = order[0], plan.tuning[order[1]] if len(order) > 1 else float("nan")
+        name = f"{spec.epilog} {spec.m}x{spec.k}->{spec.n} {spec.ab_dtype} (align {alignment})"
+        found = f"candidate {best} of {len(plan.tuning)} at {plan.tuning[best]:.2f} µs"
+        choices[name] = f"{found}; next best {runner_up:.2f} µs"
+    return choices
+
+
 def versions() -> dict:
     info = dict(jax=jax.__version__, python=platform.python_version(), gpu=str(jax.devices()[0].device_kind))
     for name in ("nvmath", "cupy"):
@@ -215,8 +231,12 @@ def main(argv=None):
         from jax_epilog import _nvmath
 
         plans = Counter(f"alignment {key[2]}" for key in _nvmath._plans)
-        json.dump(dict(label=args.label, versions=versions(), rows=rows, plans=plans), fh, indent=1)
+        tuned = tuning_choices(_nvmath._plans)
+        result = dict(label=args.label, versions=versions(), rows=rows, plans=plans, tuned=tuned)
+        json.dump(result, fh, indent=1)
     print(f"plans made: {dict(plans)}")
+    for problem, choice in tuned.items():
+        print(f"tuned {problem}: {choice}")
     print(f"wrote {path}")
 
 

@@ -413,3 +413,17 @@ def test_backward_variants_compute_the_same_gradients(activation):
             np.testing.assert_allclose(g, want, rtol=1e-4, atol=1e-4, err_msg=name)
     assert "bgrada" in bv.render([dict(shape="1x1->1", part="kernel gradient", bgrada_us=1.0,
                                        xla_dot_sum_us=1.0, xla_dot_us=1.0)]).lower()  # fmt: skip
+
+
+def test_forward_reports_the_tuners_choices():
+    from benchmarks import forward
+    from jax_epilog._epilogs import EpilogSpec
+
+    spec = EpilogSpec(256, 512, 1024, "RELU_BIAS", "COMPUTE_32F", "bfloat16", "bfloat16", "bfloat16")  # m, n, k
+    plans = {
+        (spec, 0, 256): SimpleNamespace(tuning=[4.3, 4.02, float("inf"), 4.19]),
+        (spec, 0, 16): SimpleNamespace(tuning=None),  # planned inside the handler: not tuned
+    }
+    assert forward.tuning_choices(plans) == {
+        "RELU_BIAS 256x1024->512 bfloat16 (align 256)": "candidate 1 of 4 at 4.02 µs; next best 4.19 µs"
+    }

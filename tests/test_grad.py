@@ -10,9 +10,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
+from helpers import act_fn, np_dtype
 from jax.test_util import check_grads
 
 import jax_epilog
@@ -32,26 +32,14 @@ SHAPE_IDS = ["1x1-N1", "1x40-N1", "17x1-N9", "3x5-N7", "33x129-N65", "2x3x5x17-N
 GRAD_TOL = {"float16": 6e-3, "bfloat16": 5e-2, "float32": 2e-5, "float64": 1e-12}
 
 
-def _np_dtype(name):
-    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
-
-
-def _act(name):
-    if name is None:
-        return lambda z: z
-    if name == "relu":
-        return jax.nn.relu
-    return functools.partial(jax.nn.gelu, approximate=True)
-
-
 def make_inputs(rng, x_shape, n, dtype, *, bias=True, bias_dtype=None, activation=None, margin=1e-4):
     """Random inputs cast to ``dtype``; for ReLU, resampled until no pre-activation lies
     within ``margin`` of the kink, where rounding could flip the derivative."""
     k = x_shape[-1]
     for _ in range(100):
-        x = rng.standard_normal(x_shape).astype(_np_dtype(dtype))
-        w = (rng.standard_normal((k, n)) / np.sqrt(max(k, 1))).astype(_np_dtype(dtype))
-        b = rng.standard_normal(n).astype(_np_dtype(bias_dtype or dtype)) if bias else None
+        x = rng.standard_normal(x_shape).astype(np_dtype(dtype))
+        w = (rng.standard_normal((k, n)) / np.sqrt(max(k, 1))).astype(np_dtype(dtype))
+        b = rng.standard_normal(n).astype(np_dtype(bias_dtype or dtype)) if bias else None
         z = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
         if b is not None:
             z = z + np.asarray(b, np.float64)
@@ -80,7 +68,7 @@ def reference_vjp(x, w, b, activation, dy, relu_mask=None):
         z = x @ w + (b[0] if b else 0.0)
         if relu_mask is not None:
             return z * relu_mask + jax.lax.stop_gradient(jax.nn.relu(z) - z * relu_mask)
-        return _act(activation)(z)
+        return act_fn(activation)(z)
 
     _, vjp = jax.vjp(f, *args)
     return vjp(jnp.asarray(np.asarray(dy, np.float64)))
@@ -113,7 +101,7 @@ def assert_grad_close(got, want, dtype, what, scale=None):
 def test_grads_match_float64_reference_vjp(rng, dtype, activation, with_bias, shape):
     x_shape, n = shape
     x, w, b = make_inputs(rng, x_shape, n, dtype, bias=with_bias, activation=activation)
-    dy = rng.standard_normal((*x_shape[:-1], n)).astype(_np_dtype(dtype))
+    dy = rng.standard_normal((*x_shape[:-1], n)).astype(np_dtype(dtype))
     args = (x, w) if b is None else (x, w, b)
 
     def f(x, w, *b):
@@ -132,10 +120,10 @@ def test_grads_match_float64_reference_vjp(rng, dtype, activation, with_bias, sh
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_half_operands_with_float32_bias_give_float32_dbias(rng, dtype, activation):
     x, w, b = make_inputs(rng, (33, 129), 65, dtype, bias_dtype="float32", activation=activation)
-    dy = rng.standard_normal((33, 65)).astype(_np_dtype(dtype))
+    dy = rng.standard_normal((33, 65)).astype(np_dtype(dtype))
     _, vjp = jax.vjp(lambda x, w, b: fused_dense(x, w, b, activation=activation), x, w, b)
     dx, dw, db = vjp(jnp.asarray(dy))
-    assert (dx.dtype, dw.dtype, db.dtype) == (np.dtype(_np_dtype(dtype)),) * 2 + (np.dtype(np.float32),)
+    assert (dx.dtype, dw.dtype, db.dtype) == (np.dtype(np_dtype(dtype)),) * 2 + (np.dtype(np.float32),)
     mask = op_relu_mask(x, w, b) if activation == "relu" else None
     want = reference_vjp(x, w, b, activation, dy, relu_mask=mask)
     for name, got, ref, scale in zip(("dx", "dkernel", "dbias"), (dx, dw, db), want, grad_scales(x, w, dy)):
@@ -249,7 +237,7 @@ def test_empty_dimensions_have_defined_gradients(rng, activation):
     # K = 0: y = act(bias) in every row, so dbias = m * act'(bias).
     xk = jnp.zeros((4, 0), jnp.float32)
     db = jax.grad(lambda b: fused_dense(xk, jnp.zeros((0, 7), jnp.float32), b, activation=activation).sum())(b)
-    want = 4 * jax.vmap(jax.grad(_act(activation)))(b)
+    want = 4 * jax.vmap(jax.grad(act_fn(activation)))(b)
     np.testing.assert_allclose(np.asarray(db), np.asarray(want), rtol=1e-6)
 
 

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax_helpers import (
+from helpers import (
     ACTIVATIONS,
     GRAD_TOL,
     TOL,

@@ -1,4 +1,5 @@
-"""Shared helpers of test_linen.py and test_nnx.py: comparing a fused layer with its Flax twin."""
+"""Shared test helpers: activations and dtypes by name (test_grad.py), and comparing a fused
+layer with its Flax twin (test_linen.py, test_nnx.py). No Flax import here."""
 
 from __future__ import annotations
 

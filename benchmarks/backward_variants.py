@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.forward import _act, time_jax_interleaved, versions
+from benchmarks.forward import activation_fn, time_jax_interleaved, versions
 from benchmarks.training import GRAD_SHAPES, layer_inputs
 from jax_epilog import _reference, fused_dense
 from jax_epilog._epilogs import Activation, ComputeType
@@ -66,7 +66,7 @@ aux_then_xla.defvjp(_aux_fwd, _aux_bwd)
 
 
 def layers(activation):
-    act = _act(activation)
+    act = activation_fn(activation)
     return {
         "xla": lambda x, w, b: act(x @ w + b),
         "cublaslt": lambda x, w, b: fused_dense(x, w, b, activation=activation, implementation="cublaslt"),

@@ -17,23 +17,14 @@ import sys
 from functools import partial
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.run import QUICK, WallClock, _jax_act, measure_interleaved
+from benchmarks.forward import activation_fn, chain
+from benchmarks.run import QUICK, WallClock, measure_interleaved
 from jax_epilog import _ffi, fused_dense
 
 DEPTH = 16
-
-
-def chain(layer):
-    def f(x, ws, bs):
-        for i in range(DEPTH):
-            x = layer(x, ws[i], bs[i])
-        return x
-
-    return jax.jit(f)
 
 
 def hlo_counts(compiled_text: str) -> dict[str, int]:
@@ -65,12 +56,12 @@ def main(hlo_dir: str | None = None):
     for act in ("relu", "gelu"):
         layers = {
             "fused": partial(fused_dense, activation=act, implementation="cublaslt"),
-            "xla": lambda x, w, b, f=_jax_act(act): f(x @ w + b),
+            "xla": lambda x, w, b, f=activation_fn(act): f(x @ w + b),
         }
         cases, labels = [], []
         for layout, (w_arg, b_arg) in (("stacked", (ws, bs)), ("separate", separate)):
             for name, layer in layers.items():
-                program = chain(layer)
+                program = chain(layer, DEPTH)
                 text = program.lower(x, w_arg, b_arg).compile().as_text()
                 counts = hlo_counts(text)
                 if hlo_dir:

@@ -37,7 +37,11 @@ REPEATS, ITERS = 7, 30  # ITERS: the fewest back-to-back calls in one sample
 SAMPLE_S = 0.02  # each sample runs at least this long
 
 
-def _act(name):
+def activation_fn(name: str | None):
+    """The activation a benchmark's plain-JAX contender applies: None or "none", "relu", or
+    "gelu" (tanh approximation, as cuBLASLt's epilog)."""
+    if name in (None, "none"):
+        return lambda z: z
     return jax.nn.relu if name == "relu" else partial(jax.nn.gelu, approximate=True)
 
 
@@ -108,7 +112,7 @@ def bench_single(rows):
         w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), dtype)
         b = jnp.asarray(rng.standard_normal(n), bias_dtype)
         for activation in ("relu", "gelu"):
-            act = _act(activation)
+            act = activation_fn(activation)
             fused = jax.jit(partial(fused_dense, activation=activation, implementation="cublaslt"))
             xla = jax.jit(lambda x, w, b, act=act: act(x @ w + b).astype(x.dtype))
             jax.block_until_ready(xla(x, w, b))  # compiled outside the handler's count
@@ -133,7 +137,10 @@ def bench_single(rows):
             print(json.dumps(row), flush=True)
 
 
-def _chain(layer, depth=16):
+def chain(layer, depth=16):
+    """A jitted ``depth``-layer chain ``x = layer(x, ws[i], bs[i])`` (weights sliced from
+    stacked arrays, or taken from tuples of per-layer arrays)."""
+
     def f(x, ws, bs):
         for i in range(depth):
             x = layer(x, ws[i], bs[i])
@@ -160,9 +167,9 @@ def bench_chain(rows, depth=16):
         ws = jnp.asarray(rng.standard_normal((depth, k, k)) / np.sqrt(k), jnp.bfloat16)
         bs = jnp.asarray(rng.standard_normal((depth, k)) * 0.1, jnp.bfloat16)
         for activation in ("relu", "gelu"):
-            act = _act(activation)
-            fused = _chain(partial(fused_dense, activation=activation, implementation="cublaslt"), depth)
-            xla = _chain(lambda x, w, b, act=act: act(x @ w + b), depth)
+            act = activation_fn(activation)
+            fused = chain(partial(fused_dense, activation=activation, implementation="cublaslt"), depth)
+            xla = chain(lambda x, w, b, act=act: act(x @ w + b), depth)
             jax.block_until_ready(xla(x, ws, bs))
             calls0, ns0, res0 = _ffi.handler_stats()
             runs0 = _RUNS[0]

@@ -224,12 +224,6 @@ class Skip(Exception):
     """A contender cannot run here; the message says why."""
 
 
-def _jax_act(name: str):
-    if name == "none":
-        return lambda z: z
-    return jax.nn.relu if name == "relu" else partial(jax.nn.gelu, approximate=True)
-
-
 def jax_program(case: Case, contender: str):
     """The un-jitted function a JAX contender times: forward, or the gradient of a sum."""
     if contender.startswith("jax_epilog"):
@@ -239,7 +233,7 @@ def jax_program(case: Case, contender: str):
             options["implementation"] = "auto" if contender == "jax_epilog_auto" else "cublaslt"
         fwd = partial(fused_dense, **options)
     else:
-        act = _jax_act(case.activation)
+        act = forward.activation_fn(case.activation)
         precision = None
         if case.dtype == "float32":  # the arithmetic fused_dense is asked for, not XLA's default
             tf32 = jax.lax.DotAlgorithmPreset.TF32_TF32_F32
@@ -580,7 +574,7 @@ def bench_host(settings: Settings, scale: int, progress: Progress, on_gpu: bool)
     bs = jnp.asarray(rng.standard_normal((CHAIN_DEPTH, k), dtype=np.float32), jnp.bfloat16)
     layers = {
         "jax_epilog": lambda act: partial(fused_dense, activation=act, implementation="cublaslt"),
-        "xla": lambda act: lambda x, w, b: _jax_act(act)(x @ w + b),
+        "xla": lambda act: lambda x, w, b: forward.activation_fn(act)(x @ w + b),
     }
     w, b = ws[0], bs[0]  # sliced once: a slice inside the timed loop would be a dispatch of its own
     single = []
@@ -606,7 +600,7 @@ def bench_host(settings: Settings, scale: int, progress: Progress, on_gpu: bool)
     for act in RELU_GELU:
         for weights, (w_arg, b_arg) in layouts.items():
             entry = {"layers": CHAIN_DEPTH, "shape": f"{m}x{k}->{k}", "activation": act, "weights": weights}
-            programs = [forward._chain(layers[name](act), CHAIN_DEPTH) for name in layers]
+            programs = [forward.chain(layers[name](act), CHAIN_DEPTH) for name in layers]
             clocks = [HandlerCountingClock() for _ in layers]
             before = _ffi.handler_stats()
             timings = measure_interleaved(

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.forward import _act, time_jax_interleaved, versions
+from benchmarks.forward import activation_fn, time_jax_interleaved, versions
 from jax_epilog import FastPathWarning, _ffi, fused_dense
 
 GRAD_SHAPES = [(8192, 1024, 4096), (8192, 4096, 16384), (8192, 4096, 1024)]
@@ -43,7 +43,7 @@ def bench_grad(rows):
     for m, k, n in GRAD_SHAPES:
         x, w, b = layer_inputs(m, k, n, np.random.default_rng(3))
         for activation in ("relu", "gelu"):
-            act = _act(activation)
+            act = activation_fn(activation)
             fused_loss = lambda x, w, b, a=activation: jnp.sum(
                 fused_dense(x, w, b, activation=a, implementation="cublaslt"), dtype=jnp.float32
             )

@@ -22,20 +22,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.forward import _act, time_jax_interleaved
+from benchmarks.forward import activation_fn, chain, time_jax_interleaved
 from jax_epilog import fused_dense
 
 M, K, N = 256, 1024, 1024
 DEPTHS = (16, 64)
-
-
-def chain(layer, depth):
-    def f(x, ws, bs):
-        for i in range(depth):
-            x = layer(x, ws[i], bs[i])
-        return x
-
-    return jax.jit(f)
 
 
 def main(out: str) -> list[dict]:
@@ -45,7 +36,7 @@ def main(out: str) -> list[dict]:
     bs = jnp.asarray(rng.standard_normal((max(DEPTHS), N)) * 0.1, jnp.bfloat16)
     rows = []
     for activation in ("relu", "gelu"):
-        act = _act(activation)
+        act = activation_fn(activation)
         layers = {
             "fused": partial(fused_dense, activation=activation, implementation="cublaslt"),
             "xla": lambda x, w, b, act=act: act(x @ w + b),

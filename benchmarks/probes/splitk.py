@@ -6,8 +6,9 @@ At 256x1024->1024 a GEMM has only 16 output tiles of 128x128 for 132 SMs, so spl
 looked like a way to fill the GPU. For each shape and epilog this takes cuBLASLt's
 heuristic candidates (as ``_nvmath.Plan`` asks for them), makes split-K variants of each
 (2-16 slices, partial sums reduced in the compute type), lets ``cublasLtMatmulAlgoCheck``
-validate them, and times every valid one: 20 launches captured in a CUDA graph, median of
-5 graph launches (launched one by one, a 4 µs GEMM is timed at the host's launch rate).
+validate them, and times every valid one (``benchmarks.algorithms.Timer.gpu_us``): 20
+launches captured in a CUDA graph, median of 5 graph launches (launched one by one, a 4 µs
+GEMM is timed at the host's launch rate).
 Prints the best with and without split-K per case; every candidate goes to splitk.log.
 Result on the H200 (benchmarks/results/2026-12-02-h200-e-graph-tuning/probes/splitk.log):
 split-K was never faster (256x1024->1024 RELU_BIAS: 4.1 µs unsplit, 6.7 µs at the best split).
@@ -16,7 +17,6 @@ split-K was never faster (256x1024->1024 RELU_BIAS: 4.1 µs unsplit, 6.7 µs at 
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 
 import cupy as cp
@@ -33,31 +33,12 @@ SPLITS = (1, 2, 3, 4, 6, 8, 16)
 WORKSPACE = 256 << 20
 
 
-def graph_us(launch, stream: cp.cuda.Stream, n: int = 20) -> float:
-    stream.begin_capture(_nvmath._CAPTURE_RELAXED)
-    try:
-        for _ in range(n):
-            launch()
-    finally:
-        graph = stream.end_capture()
-    graph.launch(stream)
-    samples = []
-    for _ in range(5):
-        start, end = cp.cuda.Event(), cp.cuda.Event()
-        start.record(stream)
-        graph.launch(stream)
-        end.record(stream)
-        end.synchronize()
-        samples.append(cp.cuda.get_elapsed_time(start, end) * 1e3 / n)
-    return statistics.median(samples)
-
-
 def _set(algo: int, attr, value: int) -> None:
     buf = np.array([value], np.int32 if attr == cublasLt.MatmulAlgoConfigAttribute.SPLITK_NUM else np.uint32)
     cublasLt.matmul_algo_config_set_attribute(algo, attr, buf.ctypes.data, buf.nbytes)
 
 
-def candidates_with_splits(m, k, n, epilog, timer, stream, workspace, log):
+def candidates_with_splits(m, k, n, epilog, timer, workspace, log):
     """[(heuristic index, split count, µs or None, workspace bytes or the error)] for one case."""
     spec = EpilogSpec(m, n, k, epilog, "COMPUTE_32F", "bfloat16", "bfloat16", "bfloat16")
     plan = _nvmath.Plan(spec, 0, 256)
@@ -89,13 +70,13 @@ def candidates_with_splits(m, k, n, epilog, timer, stream, workspace, log):
             def launch(algo=algo):
                 cublasLt.matmul(
                     plan._handle, plan._desc, plan._alpha, a, layouts[0], b, layouts[1], plan._beta,
-                    d, layouts[2], d, layouts[3], algo, workspace.ptr, WORKSPACE, stream.ptr,
+                    d, layouts[2], d, layouts[3], algo, workspace.ptr, WORKSPACE, timer.stream.ptr,
                 )  # fmt: skip
 
-            launch()  # a variant cuBLASLt refuses fails here, outside a capture
-            rows.append((i, split, graph_us(launch, stream), ws_size))
+            # (gpu_us first launches once uncaptured: a variant cuBLASLt refuses fails there)
+            rows.append((i, split, timer.gpu_us(launch, n=20), ws_size))
         except Exception as exc:  # noqa: BLE001 -- an invalid variant is a row, not a stop
-            stream.synchronize()
+            timer.stream.synchronize()
             rows.append((i, split, None, type(exc).__name__))
         print(f"{m}x{k}->{n} {epilog}", rows[-1], file=log)
     return rows
@@ -103,12 +84,11 @@ def candidates_with_splits(m, k, n, epilog, timer, stream, workspace, log):
 
 def main(out: str) -> None:
     timer = algorithms.Timer()
-    stream = cp.cuda.Stream(non_blocking=True)
     workspace = cp.cuda.alloc(WORKSPACE)
     with open(os.path.join(out, "splitk.log"), "w") as log:
         for m, k, n in SHAPES:
             for epilog in EPILOGS:
-                rows = candidates_with_splits(m, k, n, epilog, timer, stream, workspace, log)
+                rows = candidates_with_splits(m, k, n, epilog, timer, workspace, log)
                 valid = [r for r in rows if r[2] is not None]
                 unsplit = [r for r in valid if r[1] == 1]
                 best_unsplit = min(unsplit, key=lambda r: r[2])

@@ -20,7 +20,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.forward import activation_fn, chain
+from benchmarks.forward import activation_fn, chain, tuning_choices
 from benchmarks.run import QUICK, WallClock, measure_interleaved
 from jax_epilog import _ffi, fused_dense
 
@@ -72,6 +72,12 @@ def main(hlo_dir: str | None = None):
         for (layout, name, c), t in zip(labels, timings):
             print(f"| {act} | {layout} | {name} | {t.us:.1f} | {c['ours']} | {c['xla_gemm']} | {c['copies']} "
                   f"| {c['slices']} | {c['top_fusions']} |", flush=True)
+    try:  # the tuner's choices (on a GPU), to compare runs by
+        from jax_epilog import _nvmath
+    except ImportError:  # no nvmath/CuPy here: nothing was tuned
+        return
+    for plan, choice in tuning_choices(_nvmath._plans).items():
+        print(f"tuned {plan}: {choice}")
 
 
 if __name__ == "__main__":

@@ -37,14 +37,19 @@ def render(paths: list[str]) -> str:
         if chain:
             # With command buffers off a 256-row chain is bound by host time, so the step time
             # difference per layer is what one fused_dense call costs the host beyond XLA's op.
+            # "x donated": x = chain(x, ...) with x's buffer donated, so every step runs on the
+            # same buffers (XLA then launches its recorded graph without updating it).
             lines += ["", "| chain | act | fused_dense µs/step | XLA µs/step | XLA/fused | (fused − XLA) / layers µs "
-                      "| handler runs / layer runs | handler host µs/run |", "|---|---|---|---|---|---|---|---|"]
+                      "| x donated: fused / XLA µs | x donated: XLA/fused "
+                      "| handler runs / layer runs | handler host µs/run |", "|---|---|---|---|---|---|---|---|---|---|"]
             for r in chain:
                 depth = int(r["chain"].split("x")[0])
+                fd, xd = r.get("fused_donated_us"), r.get("xla_donated_us")
+                donated = f"{_f(fd)} / {_f(xd)} | {_f(xd / fd, 2)}×" if fd and xd else "— | —"
                 lines.append(
                     f"| {r['chain']} | {r['activation']} | {_f(r['fused_us'])} | {_f(r['xla_us'])} "
                     f"| {_f(r['xla_us'] / r['fused_us'], 2)}× | {_f((r['fused_us'] - r['xla_us']) / depth)} "
-                    f"| {r['handler_calls']} / {r['layer_runs']} | {_f(r['handler_host_us'])} |")
+                    f"| {donated} | {r['handler_calls']} / {r['layer_runs']} | {_f(r['handler_host_us'])} |")
         lines.append("")
     return "\n".join(lines)
 

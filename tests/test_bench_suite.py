@@ -427,3 +427,58 @@ def test_forward_reports_the_tuners_choices():
     assert forward.tuning_choices(plans) == {
         "RELU_BIAS 256x1024->512 bfloat16 (align 256)": "candidate 1 of 4 at 4.02 µs; next best 4.19 µs"
     }
+
+
+def test_kernel_profile_reads_gpu_streams_only(tmp_path):
+    import gzip
+
+    from benchmarks.probes import kernels
+
+    trace = {"traceEvents": [
+        {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
+        {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "pid": 2, "tid": 7, "name": "thread_name", "args": {"name": "Stream #7(Compute)"}},
+        {"ph": "M", "pid": 2, "tid": 8, "name": "thread_name", "args": {"name": "XLA Ops"}},
+        {"ph": "X", "pid": 1, "tid": 1, "ts": 0, "dur": 500, "name": "host work"},
+        {"ph": "X", "pid": 2, "tid": 8, "ts": 0, "dur": 500, "name": "fusion.3"},
+        {"ph": "X", "pid": 2, "tid": 7, "ts": 10, "dur": 30, "name": "void gemm<int, 3>(Params)",
+         "args": {"hlo_op": "custom-call.12"}},
+        {"ph": "X", "pid": 2, "tid": 7, "ts": 50, "dur": 10, "name": "loop_fusion", "args": {}},
+        {"ph": "X", "pid": 2, "tid": 7, "ts": 100, "dur": 30, "name": "void gemm<int, 3>(Params)",
+         "args": {"hlo_op": "custom-call.12"}},
+    ]}  # fmt: skip
+    path = tmp_path / "t.json.gz"
+    with gzip.open(path, "wt") as fh:
+        json.dump(trace, fh)
+    summary = kernels.summarize(kernels.read_trace(str(path)), steps=2)
+    assert summary["kernels_per_step"] == 1.5
+    assert summary["busy_us_per_step"] == 35.0
+    assert summary["span_us_per_step"] == 60.0
+    assert summary["kernels"][0] == {"kernel": "gemm [custom-call]", "per_step": 1.0, "us_per_step": 30.0}
+    assert "gemm [custom-call]" in kernels.render([{"case": "c"} | summary])
+
+
+def test_chain_with_donated_input_feeds_each_result_back(tmp_path):
+    from benchmarks import forward, report
+
+    rng = np.random.default_rng()
+    x = jnp.asarray(rng.standard_normal((5, 3)), jnp.float32)
+    ws = jnp.asarray(rng.standard_normal((2, 3, 3)), jnp.float32)
+    bs = jnp.asarray(rng.standard_normal((2, 3)), jnp.float32)
+    layer = lambda x, w, b: jnp.tanh(x @ w + b)
+    plain = forward.chain(layer, depth=2)
+    step = forward.feedback(forward.chain(layer, depth=2, donate=True), x, ws, bs)
+    want = x
+    for _ in range(3):
+        want = plain(want, ws, bs)
+        np.testing.assert_allclose(step(), want, rtol=1e-6)
+    assert not x.is_deleted()  # the caller's array is copied before the first donation
+
+    row = dict(chain="2x 5x3->3", activation="relu", fused_us=80.0, xla_us=100.0, handler_calls=4,
+               layer_runs=400, handler_host_us=20.0, fused_donated_us=70.0, xla_donated_us=91.0)  # fmt: skip
+    old = {k: v for k, v in row.items() if "donated" not in k}  # files written before the column
+    for rows, cell in (([row], "70.0 / 91.0 | 1.30×"), ([old], "— | —")):
+        path = tmp_path / "forward-x.json"
+        versions = dict(gpu="H200", jax="0.11.2", XLA_FLAGS="")
+        path.write_text(json.dumps(dict(label="x", versions=versions, rows=rows)))
+        assert cell in report.render([str(path)])

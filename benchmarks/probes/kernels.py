@@ -1,0 +1,253 @@
+"""Which GPU kernels a jitted program runs, and for how long (a CUPTI profile).
+
+    python -m benchmarks.probes.kernels OUT_DIR [--case NAME ...]
+
+Each case is compiled and warmed up, then ``STEPS`` back-to-back calls run under
+``jax.profiler.trace`` (CUPTI records every kernel, those replayed from XLA's command
+buffers too). From the trace's GPU stream events this reports, per step: the kernels (by
+XLA op where the trace names it, else by kernel name), how many ran and their GPU µs, the
+GPU's busy time and the span from the first kernel's start to the last one's end; from its
+host events (the Python tracer off) the runtime's busiest spans. Before tracing it times
+``CALLS`` calls twice on the host clock: ``wall_us`` (to the results' readiness) and
+``enqueue_us`` (until the loop has handed every call to the runtime): when the two are
+equal and above the GPU's busy time, the program is bound by its host cost.
+
+Cases: fwd+bwd ``jax.grad`` of ``sum(act(x @ w + b))`` at 8192x1024->4096 bf16 for XLA's
+plain expression, ``fused_dense(implementation="cublaslt")`` and the fused forward with
+XLA's backward (benchmarks.backward_variants); 16-layer chains at 256x1024->1024 with the
+weights stacked or per layer (benchmarks.chain_layout), fused and XLA. Writes
+kernels.json, kernels.md and the raw traces (traces/) into OUT_DIR.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+import shutil
+import time
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.backward_variants import LOSSES
+from benchmarks.backward_variants import layers as grad_layers
+from benchmarks.forward import activation_fn, chain, feedback
+from benchmarks.training import layer_inputs
+from jax_epilog import fused_dense
+
+STEPS = {"grad": 10, "chain": 20}
+CALLS = 500
+
+
+def _grad_case(activation: str, name: str):
+    x, w, b = layer_inputs(8192, 1024, 4096, np.random.default_rng(3))
+    f = grad_layers(activation)[name]
+    loss = LOSSES["sum"]
+    return jax.jit(jax.grad(lambda x, w, b: loss(f(x, w, b)), argnums=(0, 1, 2))), (x, w, b)
+
+
+def _chain_case(activation: str, layout: str, name: str, depth: int = 16, donate: bool = False):
+    m, k = 256, 1024
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    ws = jnp.asarray(rng.standard_normal((depth, k, k)) / np.sqrt(k), jnp.bfloat16)
+    bs = jnp.asarray(rng.standard_normal((depth, k)) * 0.1, jnp.bfloat16)
+    if layout == "per-layer":
+        ws, bs = tuple(ws[i] for i in range(depth)), tuple(bs[i] for i in range(depth))
+    act = activation_fn(activation)
+    layer = {
+        "fused": partial(fused_dense, activation=activation, implementation="cublaslt"),
+        "xla": lambda x, w, b: act(x @ w + b),
+    }[name]
+    program = chain(layer, depth, donate)
+    if not donate:
+        return program, (x, ws, bs)
+    return feedback(program, x, ws, bs), ()  # each result is the next (donated) input
+
+
+def cases() -> dict:
+    out = {}
+    for act in ("relu", "gelu"):
+        for name in ("xla", "cublaslt", "aux+xla"):
+            out[f"grad-{act}-{name}"] = ("grad", partial(_grad_case, act, name))
+    for act in ("relu", "gelu"):
+        for layout in ("stacked", "per-layer"):
+            for name in ("fused", "xla"):
+                out[f"chain-{act}-{layout}-{name}"] = ("chain", partial(_chain_case, act, layout, name))
+        for name in ("fused", "xla"):  # the same program with stable buffer addresses
+            out[f"chain-{act}-stacked-{name}-donated"] = (
+                "chain",
+                partial(_chain_case, act, "stacked", name, donate=True),
+            )
+    return out
+
+
+def _short(kernel: str) -> str:
+    """A kernel's name without template arguments and parameter lists."""
+    name = re.sub(r"^void ", "", kernel)
+    depth, kept = 0, []
+    for ch in name:
+        if ch in "<(":
+            depth += 1
+        elif ch in ">)":
+            depth -= 1
+        elif depth == 0:
+            kept.append(ch)
+    return "".join(kept)[:90] or kernel[:90]
+
+
+def read_trace(path: str, host: bool = False) -> list[dict]:
+    """The GPU stream events (kernels, copies, memsets) of a perfetto trace from jax.profiler;
+    with ``host``, the events of the host's threads instead."""
+    with gzip.open(path, "rt") as fh:
+        data = json.load(fh)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    processes, threads = {}, {}
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            processes[e["pid"]] = e.get("args", {}).get("name", "")
+        elif e.get("ph") == "M" and e.get("name") == "thread_name":
+            threads[(e["pid"], e.get("tid"))] = e.get("args", {}).get("name", "")
+    gpu = {pid for pid, name in processes.items() if "GPU" in name or "gpu" in name}
+    if host:
+        return [e for e in events if e.get("ph") == "X" and e["pid"] not in gpu and "dur" in e]
+    streams = {key for key, name in threads.items() if key[0] in gpu and "Stream" in name}
+    if not streams:  # another naming: every GPU line except XLA's op/module summaries
+        streams = {key for key, name in threads.items() if key[0] in gpu and not name.startswith("XLA")}
+    return [e for e in events if e.get("ph") == "X" and (e["pid"], e.get("tid")) in streams and "dur" in e]
+
+
+def summarize(events: list[dict], steps: int) -> dict:
+    groups = collections.defaultdict(lambda: [0, 0.0])
+    for e in events:
+        args = e.get("args", {})
+        op = args.get("hlo_op") or args.get("tf_op") or ""
+        op = re.sub(r"[.]\d+$", "", op)  # fusion.12 -> fusion
+        key = f"{_short(e['name'])} [{op}]" if op else _short(e["name"])
+        groups[key][0] += 1
+        groups[key][1] += float(e["dur"])
+    if events:
+        span = max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)
+    else:
+        span = 0.0
+    kernels = sorted(
+        ({"kernel": k, "per_step": n / steps, "us_per_step": us / steps} for k, (n, us) in groups.items()),
+        key=lambda r: -r["us_per_step"],
+    )
+    return {
+        "steps": steps,
+        "kernels_per_step": len(events) / steps,
+        "busy_us_per_step": sum(float(e["dur"]) for e in events) / steps,
+        "span_us_per_step": span / steps,
+        "kernels": kernels,
+    }
+
+
+def host_spans(events: list[dict], steps: int, top: int = 40) -> list[dict]:
+    """The host events with the most time per step (nested spans each count in full)."""
+    groups = collections.defaultdict(lambda: [0, 0.0])
+    for e in events:
+        key = re.sub(r"[.]\d+$", "", e["name"])[:90]  # convert_fusion.3 -> convert_fusion
+        groups[key][0] += 1
+        groups[key][1] += float(e["dur"])
+    spans = [{"span": k, "per_step": n / steps, "us_per_step": us / steps} for k, (n, us) in groups.items()]
+    return sorted(spans, key=lambda r: -r["us_per_step"])[:top]
+
+
+def host_clock(fn, args, calls: int = CALLS) -> dict:
+    """µs per call: until the results are ready, and until the loop has enqueued them all."""
+    jax.block_until_ready(fn(*args))
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        result = fn(*args)
+    t1 = time.perf_counter()
+    jax.block_until_ready(result)
+    t2 = time.perf_counter()
+    return {"wall_us": (t2 - t0) / calls * 1e6, "enqueue_us": (t1 - t0) / calls * 1e6}
+
+
+def profile(name: str, kind: str, make, out: str) -> dict:
+    fn, args = make()
+    for _ in range(3):
+        jax.block_until_ready(fn(*args))
+    clock = host_clock(fn, args)
+    logdir = os.path.join(out, "traces", name)
+    shutil.rmtree(logdir, ignore_errors=True)
+    steps = STEPS[kind]
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0  # Python frames would swamp the host side
+    with jax.profiler.trace(logdir, create_perfetto_trace=True, profiler_options=options):
+        for _ in range(steps):
+            result = fn(*args)
+        jax.block_until_ready(result)
+    paths = glob.glob(os.path.join(logdir, "**", "*perfetto_trace.json.gz"), recursive=True)
+    if not paths:
+        return {"case": name, "error": f"no perfetto trace under {logdir}"}
+    summary = summarize(read_trace(paths[0]), steps)
+    return {"case": name} | clock | summary | {"host": host_spans(read_trace(paths[0], host=True), steps)}
+
+
+def render(rows: list[dict], top: int = 8) -> str:
+    lines = [
+        "| case | wall µs/call | enqueue µs/call | kernels/step | GPU busy µs/step | span µs/step |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['case']} | {r['error']} | | | | |")
+            continue
+        lines.append(
+            f"| {r['case']} | {r.get('wall_us', float('nan')):.1f} | {r.get('enqueue_us', float('nan')):.1f} "
+            f"| {r['kernels_per_step']:.1f} | {r['busy_us_per_step']:.1f} | {r['span_us_per_step']:.1f} |"
+        )
+    for r in rows:
+        if "error" in r:
+            continue
+        lines += ["", f"{r['case']}: top kernels (count per step, µs per step)", ""]
+        lines += ["| kernel | n/step | µs/step |", "|---|---|---|"]
+        for k in r["kernels"][:top]:
+            lines.append(f"| `{k['kernel']}` | {k['per_step']:.1f} | {k['us_per_step']:.1f} |")
+        if r.get("host"):
+            lines += ["", "| host span | n/step | µs/step |", "|---|---|---|"]
+            lines += [
+                f"| `{h['span']}` | {h['per_step']:.1f} | {h['us_per_step']:.1f} |"
+                for h in r["host"][: top + 8]
+            ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("out")
+    parser.add_argument("--case", action="append", help="case names (default: all)")
+    args = parser.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    rows = []
+    for name, (kind, make) in cases().items():
+        if args.case and name not in args.case:
+            continue
+        try:
+            row = profile(name, kind, make, args.out)
+        except Exception as exc:  # noqa: BLE001 -- one failing case must not cost the others
+            row = {"case": name, "error": f"{type(exc).__name__}: {exc}"[:300]}
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k not in ("kernels", "host")}), flush=True)
+    with open(os.path.join(args.out, "kernels.json"), "w") as fh:
+        json.dump({"jax": jax.__version__, "rows": rows}, fh, indent=1)
+    table = render(rows)
+    with open(os.path.join(args.out, "kernels.md"), "w") as fh:
+        fh.write(table)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -3,8 +3,11 @@
 A plan is an nvmath ``Matmul`` planned once per (device, problem, pointer alignment). Its
 cuBLASLt descriptors, layouts and chosen algorithm are then reused by ``Plan.run``, which
 does only what a steady-state call must: point the descriptor at this call's bias and aux
-buffers and launch ``cublasLtMatmul`` on the caller's stream with the caller's buffers.
-``run`` allocates nothing, synchronises nothing and is legal under CUDA-graph capture.
+buffers and launch ``cublasLtMatmul`` on the caller's stream with the caller's buffers, or,
+for a stream and pointers it has seen before outside graph capture, launch the one-GEMM
+CUDA graph it captured for them then (a cheaper launch). In the steady state ``run``
+allocates nothing and synchronises nothing, and under CUDA-graph capture (XLA recording a
+command buffer) it only calls ``cublasLtMatmul``.
 
 ``Plan.run`` reaches below nvmath's public API (``Matmul.execute`` validates operands and
 allocates per call, which costs 30-60 µs of host time). The private attributes it needs
@@ -60,6 +63,15 @@ _CANDIDATES, _TUNING_ROUNDS, _TUNING_RUNS, _TUNING_GRAPH_US = 16, 2, 5, 200.0
 
 # Our own tuning graphs do not restrict what other threads may do meanwhile.
 _CAPTURE_RELAXED = int(cudart.cudaStreamCaptureMode.cudaStreamCaptureModeRelaxed)
+
+# Replay: outside XLA's command buffers, a call whose stream and pointers a plan has seen
+# _REPLAY_AFTER times is captured once into a one-GEMM CUDA graph, and later calls with
+# the same stream and pointers launch that graph instead of calling cublasLtMatmul, whose
+# host cost inside the handler was 15.7-17.5 µs on the H200. At most _REPLAY_GRAPHS per
+# plan (the oldest goes first); a plan that has dropped that many stops making graphs (a
+# program cycling through more pointer sets than that would capture at every call).
+# JAX_EPILOG_REPLAY=0 turns replay off.
+_REPLAY_AFTER, _REPLAY_GRAPHS, _REPLAY_SEEN = 2, 64, 1024
 
 _NP_DTYPES = {
     "float16": np.dtype(np.float16),
@@ -212,6 +224,13 @@ class Plan:
         self._aux_attr = int(cublasLt.MatmulDescAttribute.EPILOGUE_AUX_POINTER)
         self._last = [None, None]
         self._lock = threading.Lock()
+        self._replay = os.environ.get("JAX_EPILOG_REPLAY", "1") != "0"
+        self._graphs: dict[tuple[int, ...], cp.cuda.graph.Graph] = {}  # (stream, pointers) -> graph
+        self._dropped = 0  # graphs dropped to make room
+        self._seen: dict[tuple[int, ...], int] = {}
+        self._streams: dict[int, cp.cuda.ExternalStream] = {}
+        with cp.cuda.Device(device_id):
+            self._capture_stream = cp.cuda.Stream(non_blocking=True)
         heuristic = self._choose_algorithm(_CANDIDATES if autotune else 1)
         self.tuning: list[float] | None = None  # µs per candidate, when autotuned
         best = 0
@@ -313,7 +332,7 @@ class Plan:
             for i, candidate in enumerate(heuristic):
                 if round_ and times[i] == float("inf"):
                     continue  # failed in the first round
-                self._algo = candidate["algo"].ctypes.data  # run() launches self._algo
+                self._algo = candidate["algo"].ctypes.data  # _matmul() launches self._algo
                 try:
                     times[i] = min(times[i], self._graph_us(stream, runs, (a, b, bias, d, aux)))
                 except Exception:  # noqa: BLE001 -- a candidate that fails is never chosen
@@ -332,11 +351,11 @@ class Plan:
         whose GPU times were 4.1-5.9 µs), and the tuner then chose by noise. In a graph the
         runs follow each other on the GPU, as they do in XLA's command buffers.
         """
-        self.run(stream.ptr, *pointers)  # a candidate cuBLASLt refuses fails here, uncaptured
+        self._matmul(stream.ptr, *pointers)  # a candidate cuBLASLt refuses fails here, uncaptured
         stream.begin_capture(_CAPTURE_RELAXED)
         try:
             for _run in range(runs):
-                self.run(stream.ptr, *pointers)
+                self._matmul(stream.ptr, *pointers)
         finally:
             graph = stream.end_capture()
         graph.launch(stream)
@@ -348,22 +367,87 @@ class Plan:
         return cp.cuda.get_elapsed_time(start, end) * 1e3 / runs
 
     def run(self, stream: int, a: int, b: int, bias: int, d: int, aux: int) -> None:
-        """One fused GEMM on ``stream``: A = kernel, B = x, D and aux are outputs."""
+        """One fused GEMM on ``stream``: A = kernel, B = x, D and aux are outputs.
+
+        A replayed graph writes exactly this call's buffers: it was captured with the same
+        stream and pointers, and reads the buffers' contents when it runs. Under stream
+        capture (XLA recording a command buffer) the GEMM is always issued directly.
+        """
+        key = (stream, a, b, bias, d, aux)
+        graph = self._graphs.get(key)
+        if graph is not None or self._replay:
+            ext = self._streams.get(stream) or self._external(stream)
+            if not ext.is_capturing():
+                if graph is None:
+                    graph = self._seen_again(key)
+                if graph is not None:
+                    graph.launch(ext)
+                    return
+        self._matmul(stream, a, b, bias, d, aux)
+
+    def _external(self, stream: int) -> cp.cuda.ExternalStream:
+        if len(self._streams) >= _REPLAY_SEEN:
+            self._streams.clear()
+        ext = self._streams[stream] = cp.cuda.ExternalStream(stream, self.device_id)
+        return ext
+
+    def _seen_again(self, key: tuple[int, ...]) -> cp.cuda.graph.Graph | None:
+        """Count a call's (stream, pointers); on the _REPLAY_AFTER-th, its graph."""
+        with self._lock:
+            graph = self._graphs.get(key)
+            if graph is not None or not self._replay:
+                return graph
+            seen = self._seen.get(key, 0) + 1
+            if seen < _REPLAY_AFTER:
+                if len(self._seen) >= _REPLAY_SEEN:
+                    self._seen.clear()
+                self._seen[key] = seen
+                return None
+            self._seen.pop(key, None)
+            try:
+                graph = self._capture(key)
+            except Exception:  # noqa: BLE001 -- an optimisation must never fail a call
+                self._replay = False  # (the call goes on without it)
+                return None
+            if len(self._graphs) >= _REPLAY_GRAPHS:  # (an in-flight launch still completes)
+                del self._graphs[next(iter(self._graphs))]
+                self._dropped += 1
+                if self._dropped >= _REPLAY_GRAPHS:  # thrashing: back to cublasLtMatmul
+                    self._replay = False
+                    self._graphs.clear()
+                    return None
+            self._graphs[key] = graph
+            return graph
+
+    def _capture(self, key: tuple[int, ...]) -> cp.cuda.graph.Graph:
+        capture = self._capture_stream  # captured work does not run: any stream will do
+        capture.begin_capture(_CAPTURE_RELAXED)
+        try:
+            self._matmul_locked(capture.ptr, *key[1:])
+        finally:
+            graph = capture.end_capture()
+        return graph
+
+    def _matmul(self, stream: int, a: int, b: int, bias: int, d: int, aux: int) -> None:
+        """``cublasLtMatmul`` with this call's pointers (the descriptor is shared)."""
+        with self._lock:
+            self._matmul_locked(stream, a, b, bias, d, aux)
+
+    def _matmul_locked(self, stream: int, a: int, b: int, bias: int, d: int, aux: int) -> None:
         a_layout, b_layout, c_layout, d_layout = self._layouts
-        with self._lock:  # the descriptor is shared by every call site of this problem
-            if bias and bias != self._last[0]:
-                self._ptr_buf[0] = bias
-                cublasLt.matmul_desc_set_attribute(self._desc, self._bias_attr, self._bias_buf, 8)
-                self._last[0] = bias
-            if aux and aux != self._last[1]:
-                self._ptr_buf[1] = aux
-                cublasLt.matmul_desc_set_attribute(self._desc, self._aux_attr, self._aux_buf, 8)
-                self._last[1] = aux
-            cublasLt.matmul(
-                self._handle, self._desc, self._alpha, a, a_layout, b, b_layout,
-                self._beta, d, c_layout, d, d_layout, self._algo,
-                self._ws_ptr, self._ws_size, stream,
-            )  # fmt: skip
+        if bias and bias != self._last[0]:
+            self._ptr_buf[0] = bias
+            cublasLt.matmul_desc_set_attribute(self._desc, self._bias_attr, self._bias_buf, 8)
+            self._last[0] = bias
+        if aux and aux != self._last[1]:
+            self._ptr_buf[1] = aux
+            cublasLt.matmul_desc_set_attribute(self._desc, self._aux_attr, self._aux_buf, 8)
+            self._last[1] = aux
+        cublasLt.matmul(
+            self._handle, self._desc, self._alpha, a, a_layout, b, b_layout,
+            self._beta, d, c_layout, d, d_layout, self._algo,
+            self._ws_ptr, self._ws_size, stream,
+        )  # fmt: skip
 
 
 _plans: dict[tuple[EpilogSpec, int, int], Plan] = {}

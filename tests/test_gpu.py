@@ -229,6 +229,23 @@ def test_no_device_memory_leak_over_1000_jitted_calls(rng):
     assert before_free - after_free < 4 << 20  # no per-call allocations outside XLA either
 
 
+def test_replayed_calls_read_their_inputs_and_write_their_outputs(rng):
+    """Calls on buffers seen before launch a captured graph: it must still read this call's
+    contents (x changes every step, at recurring addresses) and write this call's output."""
+    from jax_epilog import _nvmath
+
+    x, w, b = _inputs(rng, 96, 200, 200, "bfloat16")
+    step = jax.jit(lambda x, w, b: fused_dense(x, w, b, activation="gelu"), donate_argnums=0)
+    graphs = lambda: sum(len(p._graphs) for p in _nvmath._plans.values())
+    before = graphs()
+    y = jnp.array(x, copy=True)
+    for _ in range(10):
+        previous = np.asarray(y)  # y's buffer is donated to the next call
+        y = step(y, w, b)
+        _assert_close(y, _oracle(previous, w, b, "gelu")[0], TOL["bfloat16"])
+    assert graphs() > before  # the steps above did replay
+
+
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_backward_fuses_the_bias_gradient_into_the_kernel_gradient_gemm(rng, with_bias):
     from jax_epilog._ffi import TARGET_NAME

@@ -25,13 +25,12 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.forward import activation_fn, time_jax_interleaved, versions
+from benchmarks.forward import activation_fn, time_jax_interleaved, write_results
 from benchmarks.training import GRAD_SHAPES, layer_inputs
 from jax_epilog import _reference, fused_dense
 from jax_epilog._epilogs import Activation, ComputeType
@@ -145,11 +144,7 @@ def main(argv=None):
     table = render(rows)
     print(table)
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "backward_variants.json"), "w") as fh:
-            json.dump(dict(versions=versions(), rows=rows), fh, indent=1)
-        with open(os.path.join(args.out, "backward_variants.md"), "w") as fh:
-            fh.write(table)
+        write_results(args.out, "backward_variants", rows, table)
 
 
 if __name__ == "__main__":

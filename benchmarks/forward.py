@@ -241,6 +241,15 @@ def versions() -> dict:
     return info
 
 
+def write_results(out: str, stem: str, rows: list[dict], table: str) -> None:
+    """OUT/STEM.json (``versions()`` and ``rows``) and OUT/STEM.md (``table``)."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"{stem}.json"), "w") as fh:
+        json.dump({"versions": versions(), "rows": rows}, fh, indent=1)
+    with open(os.path.join(out, f"{stem}.md"), "w") as fh:
+        fh.write(table)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="folder for the JSON results")

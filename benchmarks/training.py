@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import sys
 import warnings
 from pathlib import Path
@@ -25,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.forward import activation_fn, time_jax_interleaved, versions
+from benchmarks.forward import activation_fn, time_jax_interleaved, write_results
 from jax_epilog import FastPathWarning, _ffi, fused_dense
 
 GRAD_SHAPES = [(8192, 1024, 4096), (8192, 4096, 16384), (8192, 4096, 1024)]
@@ -115,12 +114,8 @@ def main(argv=None):
         bench_grad(rows)
     if args.part in ("example", "all"):
         bench_example(rows)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "training.json"), "w") as fh:
-        json.dump(dict(versions=versions(), rows=rows), fh, indent=1)
     table = render(rows)
-    with open(os.path.join(args.out, "training.md"), "w") as fh:
-        fh.write(table)
+    write_results(args.out, "training", rows, table)
     print(table)
 
 

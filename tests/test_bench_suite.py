@@ -482,3 +482,12 @@ def test_chain_with_donated_input_feeds_each_result_back(tmp_path):
         versions = dict(gpu="H200", jax="0.11.2", XLA_FLAGS="")
         path.write_text(json.dumps(dict(label="x", versions=versions, rows=rows)))
         assert cell in report.render([str(path)])
+
+
+def test_write_results_writes_json_and_markdown(tmp_path):
+    from benchmarks import forward
+
+    forward.write_results(str(tmp_path / "new"), "x", [{"a": 1}], "| a |\n")
+    data = json.loads((tmp_path / "new" / "x.json").read_text())
+    assert data["rows"] == [{"a": 1}] and data["versions"]["jax"] == jax.__version__
+    assert (tmp_path / "new" / "x.md").read_text() == "| a |\n"

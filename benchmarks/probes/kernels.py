@@ -38,7 +38,7 @@ import numpy as np
 
 from benchmarks.backward_variants import LOSSES
 from benchmarks.backward_variants import layers as grad_layers
-from benchmarks.forward import activation_fn, chain, feedback
+from benchmarks.forward import activation_fn, chain, feedback, write_results
 from benchmarks.training import layer_inputs
 from jax_epilog import fused_dense
 
@@ -241,11 +241,8 @@ def main(argv=None):
             row = {"case": name, "error": f"{type(exc).__name__}: {exc}"[:300]}
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k not in ("kernels", "host")}), flush=True)
-    with open(os.path.join(args.out, "kernels.json"), "w") as fh:
-        json.dump({"jax": jax.__version__, "rows": rows}, fh, indent=1)
     table = render(rows)
-    with open(os.path.join(args.out, "kernels.md"), "w") as fh:
-        fh.write(table)
+    write_results(args.out, "kernels", rows, table)
     print(table)
 
 

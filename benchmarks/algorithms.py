@@ -71,23 +71,7 @@ class Timer:
     def gpu_us(self, launch, n=40) -> float:
         """Median of 5 timings of ``n`` launches captured in one CUDA graph (GPU time only:
         launched one by one, a small GEMM would be timed at the host's launch rate)."""
-        launch()
-        self.stream.begin_capture(_nvmath._CAPTURE_RELAXED)
-        try:
-            for _ in range(n):
-                launch()
-        finally:
-            graph = self.stream.end_capture()
-        graph.launch(self.stream)
-        samples = []
-        for _ in range(5):
-            start, end = cp.cuda.Event(), cp.cuda.Event()
-            start.record(self.stream)
-            graph.launch(self.stream)
-            end.record(self.stream)
-            end.synchronize()
-            samples.append(cp.cuda.get_elapsed_time(start, end) * 1e3 / n)
-        return statistics.median(samples)
+        return _nvmath.graph_us(self.stream, launch, n, samples=5)
 
     def time_algorithm(self, plan, record, pointers) -> float:
         a, b, bias, d, aux = pointers
@@ -100,6 +84,7 @@ class Timer:
             if value:
                 plan._ptr_buf[slot] = value
                 cublasLt.matmul_desc_set_attribute(plan._desc, attr, plan._ptr_buf.ctypes.data + 8 * slot, 8)
+                plan._last[slot] = value  # so the plan's own calls know what the descriptor holds
 
         def launch():
             cublasLt.matmul(

@@ -35,7 +35,7 @@ from ._epilogs import EpilogSpec
 
 __all__ = [
     "NVMATH_VERSION", "Plan", "PlanningError", "alignment_of", "current_device", "device_of", "fill_normal",
-    "get_plan",
+    "get_plan", "graph_us",
 ]  # fmt: skip
 
 NVMATH_VERSION = nvmath.__version__
@@ -165,6 +165,32 @@ def fill_normal(memptr: cp.cuda.MemoryPointer, count: int, dtype: str, scale: fl
     else:
         values = values.astype(_NP_DTYPES[dtype])
     cp.ndarray(count, values.dtype, memptr)[...] = values
+
+
+def graph_us(stream: cp.cuda.Stream, launch, runs: int, samples: int = 1) -> float:
+    """GPU µs per ``launch()``: ``runs`` launches captured in one CUDA graph on ``stream``,
+    launched once to warm up, then ``samples`` times between events (the median).
+
+    ``launch`` runs once uncaptured first, so work the GPU refuses fails there, not inside
+    the capture.
+    """
+    launch()
+    stream.begin_capture(_CAPTURE_RELAXED)
+    try:
+        for _run in range(runs):
+            launch()
+    finally:
+        graph = stream.end_capture()
+    graph.launch(stream)
+    times = []
+    for _sample in range(samples):
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record(stream)
+        graph.launch(stream)
+        end.record(stream)
+        end.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, end) * 1e3 / runs)
+    return float(np.median(times))
 
 
 class Plan:
@@ -343,28 +369,14 @@ class Plan:
         return times
 
     def _graph_us(self, stream: cp.cuda.Stream, runs: int, pointers: tuple[int, ...]) -> float:
-        """GPU µs per run of the current algorithm: ``runs`` back-to-back runs captured in a
-        CUDA graph, launched once to warm up and once between events.
+        """GPU µs per run of the current algorithm (see ``graph_us``).
 
         Launched one by one from Python, a small GEMM's runs are spaced by the host's launch
         cost (measured on the H200 at 256x1024->1024: 11-16 µs per run for every candidate,
         whose GPU times were 4.1-5.9 µs), and the tuner then chose by noise. In a graph the
         runs follow each other on the GPU, as they do in XLA's command buffers.
         """
-        self._matmul(stream.ptr, *pointers)  # a candidate cuBLASLt refuses fails here, uncaptured
-        stream.begin_capture(_CAPTURE_RELAXED)
-        try:
-            for _run in range(runs):
-                self._matmul(stream.ptr, *pointers)
-        finally:
-            graph = stream.end_capture()
-        graph.launch(stream)
-        start, end = cp.cuda.Event(), cp.cuda.Event()
-        start.record(stream)
-        graph.launch(stream)
-        end.record(stream)
-        end.synchronize()
-        return cp.cuda.get_elapsed_time(start, end) * 1e3 / runs
+        return graph_us(stream, lambda: self._matmul(stream.ptr, *pointers), runs)
 
     def run(self, stream: int, a: int, b: int, bias: int, d: int, aux: int) -> None:
         """One fused GEMM on ``stream``: A = kernel, B = x, D and aux are outputs.

@@ -21,9 +21,7 @@ and which one it chose against the fastest here.
 
 from __future__ import annotations
 
-import statistics
 import sys
-import time
 
 import cupy as cp
 import jax
@@ -32,6 +30,7 @@ import numpy as np
 from nvmath.bindings import cublasLt
 from nvmath.linalg._internal import matmul_pref_ifc
 
+from benchmarks.timing import Settings, WallClock, measure
 from jax_epilog import _nvmath
 from jax_epilog._epilogs import EpilogSpec
 
@@ -96,15 +95,9 @@ class Timer:
 
 
 def jax_us(f, *args, n=50) -> float:
-    jax.block_until_ready(f(*args))
-    samples = []
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(n):
-            out = f(*args)
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - start) / n * 1e6)
-    return statistics.median(samples)
+    """Median µs per call of 5 batches of ``n`` back-to-back jitted calls (host clock)."""
+    settings = Settings(samples=5, min_calls=n, sample_s=0.0)
+    return measure(lambda i: f(*args), WallClock(), settings).us
 
 
 def _forward_pointers(timer, spec):

@@ -1,14 +1,20 @@
-"""Training benchmarks: fused_dense forward + backward vs XLA's autodiff, and the
-transformer-MLP example's steps/s with FusedDense vs nn.Dense.
+"""Training benchmarks: fused_dense forward + backward vs XLA's autodiff, the same for a
+two-layer MLP block through fused_mlp, and the transformer-MLP example's steps/s with
+FusedMLP, FusedDense and nn.Dense.
 
-    python -m benchmarks.training --out DIR [--part grad|example|all]
+    python -m benchmarks.training --out DIR [--part grad|mlp|example|all]
 
 fwd+bwd rows time ``jax.jit(jax.grad(loss, argnums=(0, 1, 2)))`` with
 ``loss = sum(act(x @ w + b))`` (summed in float32), once through ``fused_dense`` and once as
 the plain jnp expression, with the method of benchmarks.forward (median of 7 interleaved
 samples of back-to-back calls). TF/s counts three GEMMs: 6 * M * N * K flops per step.
-The example rows run ``examples/train_transformer_mlp.py --size large`` in this process
-and record its median step time (each step synchronised) for both layer types.
+MLP rows time the same for a transformer MLP block ``gelu(x @ w1 + b1) @ w2 + b2`` (M×D →
+4D → D, bf16) with ``loss = sum(y**2) / 2`` (so the output's cotangent is a real array, as in
+training): XLA's jit of the plain expression, two ``fused_dense`` calls ("auto") and
+``fused_mlp`` ("auto" and "cublaslt"), interleaved; TF/s counts 12 * M * D * 4D flops.
+The example rows run ``examples/train_transformer_mlp.py --size large`` in this process,
+once per implementation ("auto", "cublaslt"), and record its median step time (each step
+synchronised) for every layer type.
 """
 
 from __future__ import annotations
@@ -25,9 +31,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.forward import activation_fn, time_jax_interleaved, write_results
-from jax_epilog import FastPathWarning, _ffi, fused_dense
+from jax_epilog import FastPathWarning, _ffi, fused_dense, fused_mlp
 
 GRAD_SHAPES = [(8192, 1024, 4096), (8192, 4096, 16384), (8192, 4096, 1024)]
+MLP_SHAPES = [(8192, 1024), (8192, 4096), (256, 1024)]  # (M, D): M×D -> 4D -> D
+MLP_CONTENDERS = ("xla", "fused_dense", "fused_mlp", "fused_mlp_cublaslt")
 
 
 def layer_inputs(m: int, k: int, n: int, rng: np.random.Generator):
@@ -62,25 +70,60 @@ def bench_grad(rows):
             print(json.dumps(row), flush=True)
 
 
+def mlp_block(contender: str):
+    """The block's forward as each contender writes it."""
+    gelu = activation_fn("gelu")
+    if contender == "xla":
+        return lambda x, w1, b1, w2, b2: gelu(x @ w1 + b1) @ w2 + b2
+    if contender == "fused_dense":
+        return lambda x, w1, b1, w2, b2: fused_dense(fused_dense(x, w1, b1, activation="gelu"), w2, b2)
+    impl = "cublaslt" if contender.endswith("cublaslt") else "auto"
+    return lambda x, w1, b1, w2, b2: fused_mlp(x, [(w1, b1), (w2, b2)], ["gelu", None], implementation=impl)
+
+
+def bench_mlp(rows):
+    for m, d in MLP_SHAPES:
+        rng = np.random.default_rng(4)
+        x, w1, b1 = layer_inputs(m, d, 4 * d, rng)
+        _, w2, b2 = layer_inputs(m, 4 * d, d, rng)
+        args = (x, w1, b1, w2, b2)
+        steps = []
+        for contender in MLP_CONTENDERS:
+            block = mlp_block(contender)
+            loss = lambda *a, block=block: 0.5 * jnp.sum(jnp.square(block(*a).astype(jnp.float32)))
+            steps.append((jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))), args))
+        times = dict(zip(MLP_CONTENDERS, time_jax_interleaved(*steps)))
+        flops = 12 * m * d * 4 * d
+        row = dict(
+            shape=f"{m}x{d}->{4 * d}->{d}", dtype="bfloat16", mode="mlp fwd+bwd",
+            **{f"{c}_us": t for c, t in times.items()},
+            **{f"{c}_tflops": flops / t / 1e6 for c, t in times.items()},
+        )  # fmt: skip
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+
 def bench_example(rows, size="large"):
     path = Path(__file__).resolve().parent.parent / "examples" / "train_transformer_mlp.py"
     spec = importlib.util.spec_from_file_location("train_transformer_mlp", path)
     example = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = example  # flax's dataclasses look their module up
     spec.loader.exec_module(example)
-    calls0 = _ffi.handler_stats()[0]
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", FastPathWarning)  # the fused path, or no numbers
-        result = example.main(["--size", size])
-    print(f"handler executions during the example: {_ffi.handler_stats()[0] - calls0}")
-    for key in ("fused", "dense"):
-        r = result[key]
-        rows.append(dict(
-            example=f"train_transformer_mlp --size {size}", layer=r["layer"], step_ms=r["step_ms"],
-            steps_per_s=1e3 / r["step_ms"], tokens_per_s=r["tokens_per_s"],
-            first_loss=r["losses"][0], final_loss=r["losses"][-1], config=result["config"],
-        ))  # fmt: skip
-        print(json.dumps(rows[-1]), flush=True)
+    for implementation in ("auto", "cublaslt"):
+        calls0 = _ffi.handler_stats()[0]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FastPathWarning)  # the fused path, or no numbers
+            result = example.main(["--size", size, "--implementation", implementation])
+        print(f"handler executions during the example: {_ffi.handler_stats()[0] - calls0}")
+        for key in ("mlp", "fused", "dense"):
+            r = result[key]
+            rows.append(dict(
+                example=f"train_transformer_mlp --size {size} --implementation {implementation}",
+                layer=r["layer"], step_ms=r["step_ms"], steps_per_s=1e3 / r["step_ms"],
+                tokens_per_s=r["tokens_per_s"], first_loss=r["losses"][0],
+                final_loss=r["losses"][-1], config=result["config"],
+            ))  # fmt: skip
+            print(json.dumps(rows[-1]), flush=True)
 
 
 def render(rows) -> str:
@@ -92,6 +135,16 @@ def render(rows) -> str:
         for r in grad:
             lines.append(f"| {r['shape']} | {r['activation']} | {r['fused_us']:.1f} | {r['xla_us']:.1f} "
                          f"| {r['xla_us'] / r['fused_us']:.2f}× | {r['fused_tflops']:.0f} | {r['xla_tflops']:.0f} |")
+        lines.append("")
+    mlp = [r for r in rows if r.get("mode") == "mlp fwd+bwd"]
+    if mlp:
+        head = " | ".join(f"{c} µs (TF/s)" for c in MLP_CONTENDERS)
+        lines += [f"| M×D→4D→D (bf16), gelu | {head} | XLA/fused_dense | XLA/fused_mlp | XLA/fused_mlp cublaslt |",
+                  "|---|" + "---|" * (len(MLP_CONTENDERS) + 3)]
+        for r in mlp:
+            cells = " | ".join(f"{r[c + '_us']:.1f} ({r[c + '_tflops']:.0f})" for c in MLP_CONTENDERS)
+            ratios = " | ".join(f"{r['xla_us'] / r[c + '_us']:.2f}×" for c in MLP_CONTENDERS[1:])
+            lines.append(f"| {r['shape']} | {cells} | {ratios} |")
         lines.append("")
     ex = [r for r in rows if "example" in r]
     if ex:
@@ -107,11 +160,13 @@ def render(rows) -> str:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="folder for training.json and training.md")
-    parser.add_argument("--part", choices=("grad", "example", "all"), default="all")
+    parser.add_argument("--part", choices=("grad", "mlp", "example", "all"), default="all")
     args = parser.parse_args(argv)
     rows: list[dict] = []
     if args.part in ("grad", "all"):
         bench_grad(rows)
+    if args.part in ("mlp", "all"):
+        bench_mlp(rows)
     if args.part in ("example", "all"):
         bench_example(rows)
     table = render(rows)

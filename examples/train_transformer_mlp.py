@@ -1,8 +1,9 @@
-"""Train a stack of GPT-style MLP blocks in bfloat16: FusedDense vs nn.Dense, side by side.
+"""Train a stack of GPT-style MLP blocks in bfloat16: FusedMLP, FusedDense and nn.Dense.
 
 Each block is ``x + FusedDense(d)(FusedDense(4d, gelu)(LayerNorm(x)))``, the feed-forward half
 of a transformer layer, with its matmul + bias + GELU fused into one cuBLASLt kernel on a
-GPU. Parameters are float32; the blocks compute in bfloat16 (``dtype=jnp.bfloat16``) while
+GPU; ``FusedMLP((4d, d), ("gelu", None))`` holds the same two layers and also fuses the
+GELU's derivative into the second layer's input-gradient GEMM. Parameters are float32; the blocks compute in bfloat16 (``dtype=jnp.bfloat16``) while
 the residual stream stays float32. The task is synthetic, next-token-like regression: each
 position's input is a random "token" vector and the target is a fixed random function of it,
 ``x A + tanh(x B) C`` (the teacher). Both models start from the same parameters and see the
@@ -28,28 +29,33 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jax_epilog.linen import FusedDense
+from jax_epilog.linen import FusedDense, FusedMLP
 
 SIZES = {
     # d_model, blocks, batch, seq (tokens per step = batch * seq), default steps
     "small": {"d_model": 128, "blocks": 2, "batch": 8, "seq": 64, "steps": 40},
     "large": {"d_model": 1024, "blocks": 4, "batch": 8, "seq": 1024, "steps": 50},
 }
-LAYERS = {"fused": "FusedDense", "dense": "nn.Dense"}
+LAYERS = {"mlp": "FusedMLP", "fused": "FusedDense", "dense": "nn.Dense"}
 
 
 class MLPBlock(nn.Module):
     """Pre-LayerNorm feed-forward block with a residual connection."""
 
     d_model: int
-    fused: bool = True
+    layers: str = "fused"  # a key of LAYERS
     dtype: jnp.dtype = jnp.bfloat16
-    implementation: str = "cublaslt"
+    implementation: str = "auto"
 
     @nn.compact
     def __call__(self, x):
         h = nn.LayerNorm(dtype=self.dtype, name="ln")(x)
-        if self.fused:
+        if self.layers == "mlp":  # the same parameters as "fused", under the same names
+            h = FusedMLP(
+                (4 * self.d_model, self.d_model), ("gelu", None), layer_names=("fc_in", "fc_out"),
+                dtype=self.dtype, implementation=self.implementation, name="mlp",
+            )(h)  # fmt: skip
+        elif self.layers == "fused":
             dense = functools.partial(FusedDense, dtype=self.dtype, implementation=self.implementation)
             h = dense(4 * self.d_model, activation="gelu", name="fc_in")(h)
             h = dense(self.d_model, name="fc_out")(h)
@@ -62,15 +68,26 @@ class MLPBlock(nn.Module):
 class MLPStack(nn.Module):
     d_model: int
     blocks: int
-    fused: bool = True
+    layers: str = "fused"
     dtype: jnp.dtype = jnp.bfloat16
-    implementation: str = "cublaslt"
+    implementation: str = "auto"
 
     @nn.compact
     def __call__(self, x):
         for i in range(self.blocks):
-            x = MLPBlock(self.d_model, self.fused, self.dtype, self.implementation, name=f"block{i}")(x)
+            x = MLPBlock(self.d_model, self.layers, self.dtype, self.implementation, name=f"block{i}")(x)
         return nn.LayerNorm(dtype=jnp.float32, name="ln_f")(x)
+
+
+def nest_mlp_params(params: dict) -> dict:
+    """FusedDense blocks' parameters as FusedMLP blocks hold them: fc_in and fc_out under "mlp"."""
+    out = {}
+    for name, block in params["params"].items():
+        if name.startswith("block"):
+            block = dict(block)
+            block["mlp"] = {key: block.pop(key) for key in ("fc_in", "fc_out")}
+        out[name] = block
+    return {"params": out}
 
 
 def make_teacher(key, d_model: int):
@@ -103,16 +120,17 @@ def parse_args(argv=None):
     parser.add_argument("--seq", type=int, help="override the preset's sequence length")
     parser.add_argument(
         "--implementation",
-        choices=("cublaslt", "auto", "xla"),
-        default="cublaslt",
-        help="FusedDense's implementation (default cublaslt: the fused kernels on a GPU; auto "
-        "picks XLA's own path for training, where it measured faster)",
+        choices=("auto", "cublaslt", "xla"),
+        default="auto",
+        help="FusedMLP's and FusedDense's implementation (default auto: the fused kernels where "
+        "they measured faster on the H200, XLA's own ops elsewhere; cublaslt: the fused kernels "
+        "everywhere on a GPU)",
     )
     parser.add_argument(
         "--layers",
-        choices=["both", *LAYERS],
-        default="both",
-        help="train FusedDense, nn.Dense or both (default both)",
+        choices=["all", *LAYERS],
+        default="all",
+        help="train FusedMLP, FusedDense, nn.Dense or all three (default all)",
     )
     args = parser.parse_args(argv)
     for name, value in SIZES[args.size].items():
@@ -123,9 +141,10 @@ def parse_args(argv=None):
     return args
 
 
-def train(args, fused: bool) -> dict:
-    """Trains one model for ``args.steps`` steps; returns its losses and step times."""
-    model = MLPStack(args.d_model, args.blocks, fused=fused, implementation=args.implementation)
+def train(args, layers: str) -> dict:
+    """Trains one model (``layers``: a key of LAYERS) for ``args.steps`` steps; returns its
+    losses and step times."""
+    model = MLPStack(args.d_model, args.blocks, layers=layers, implementation=args.implementation)
     init_key, teacher_key, data_key = jax.random.split(jax.random.key(args.seed), 3)
     teacher = make_teacher(teacher_key, args.d_model)
     shape = (args.batch, args.seq, args.d_model)
@@ -146,7 +165,11 @@ def train(args, fused: bool) -> dict:
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    params = model.init(init_key, jnp.zeros((1, 1, args.d_model), jnp.float32))
+    # Every model starts from the same values: FusedMLP's are FusedDense's, nested.
+    init_model = model if layers != "mlp" else model.clone(layers="fused")
+    params = init_model.init(init_key, jnp.zeros((1, 1, args.d_model), jnp.float32))
+    if layers == "mlp":
+        params = nest_mlp_params(params)
     opt_state = tx.init(params)
     losses, times = [], []
     for step in range(args.steps):
@@ -158,7 +181,7 @@ def train(args, fused: bool) -> dict:
     step_s = statistics.median(times[args.warmup :])
     tokens = args.batch * args.seq
     return {
-        "layer": LAYERS["fused" if fused else "dense"],
+        "layer": LAYERS[layers],
         "losses": losses,
         "step_ms": 1e3 * step_s,
         "tokens_per_s": tokens / step_s,
@@ -167,7 +190,8 @@ def train(args, fused: bool) -> dict:
 
 
 def main(argv=None) -> dict:
-    """Trains the selected models; returns {"config": ..., "fused": ..., "dense": ...}."""
+    """Trains the selected models; returns {"config": ..., "mlp": ..., "fused": ..., "dense": ...}
+    (the models trained) and "speedup": {"mlp": ..., "fused": ...} over nn.Dense."""
     args = parse_args(argv)
     tokens = args.batch * args.seq
     device = jax.devices()[0]
@@ -176,12 +200,11 @@ def main(argv=None) -> dict:
         f"{tokens} tokens/step ({args.batch}x{args.seq}), bfloat16 compute, float32 params, "
         f"{args.steps} steps (median of the last {args.steps - args.warmup})"
     )
-    results = {
-        "config": {k: getattr(args, k) for k in ("size", "d_model", "blocks", "batch", "seq", "steps")}
-    }
+    keys = ("size", "d_model", "blocks", "batch", "seq", "steps", "implementation")
+    results = {"config": {k: getattr(args, k) for k in keys}}
     for key in LAYERS:
-        if args.layers in ("both", key):
-            results[key] = train(args, fused=key == "fused")
+        if args.layers in ("all", key):
+            results[key] = train(args, key)
 
     print(f"{'layer':<12}{'first loss':>12}{'final loss':>12}{'step (median)':>16}{'tokens/s':>14}")
     for key in LAYERS:
@@ -191,10 +214,13 @@ def main(argv=None) -> dict:
                 f"{r['layer']:<12}{r['losses'][0]:>12.4f}{r['losses'][-1]:>12.4f}"
                 f"{r['step_ms']:>13.2f} ms{r['tokens_per_s']:>14,.0f}"
             )
-    if "fused" in results and "dense" in results:
-        speedup = results["dense"]["step_ms"] / results["fused"]["step_ms"]
-        results["speedup"] = speedup
-        print(f"FusedDense step time speed-up over nn.Dense: {speedup:.2f}x")
+    if "dense" in results:
+        results["speedup"] = {}
+        for key in ("mlp", "fused"):
+            if key in results:
+                speedup = results["dense"]["step_ms"] / results[key]["step_ms"]
+                results["speedup"][key] = speedup
+                print(f"{LAYERS[key]} step time speed-up over nn.Dense: {speedup:.2f}x")
     return results
 
 

@@ -26,9 +26,49 @@ __all__ = ["fused_dense"]
 _ACTIVATIONS = (None, *(a.value for a in Activation))
 
 
-def _check_array(value, name: str) -> None:
+def _check_array(value, name: str, owner: str = "fused_dense") -> None:
     if not isinstance(value, (jax.Array, np.ndarray)):
-        raise TypeError(f"fused_dense: {name} must be a JAX or NumPy array, got {type(value).__name__}")
+        raise TypeError(f"{owner}: {name} must be a JAX or NumPy array, got {type(value).__name__}")
+
+
+def check_layer(owner: str, x_shape, x, kernel, bias, activation, compute_type, x_name: str = "x"):
+    """Validate one dense layer at trace time; returns (activation, dtype name, compute
+    type, whether the bias is float32 beside half operands). Messages start with
+    ``owner`` and call the input ``x_name``; ``x`` is anything with the input's dtype."""
+    _check_array(kernel, "kernel", owner)
+    if bias is not None:
+        _check_array(bias, "bias", owner)
+    act = _activation(activation, owner)
+    dtype = _dtype_name(x)
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{owner}: {x_name} has dtype {dtype}; allowed: {SUPPORTED_DTYPES}.")
+    if _dtype_name(kernel) != dtype:
+        raise TypeError(
+            f"{owner}: kernel dtype {_dtype_name(kernel)} differs from {x_name} dtype {dtype}; "
+            "cast one of them so both match."
+        )
+    if len(x_shape) < 1:
+        raise ValueError(f"{owner}: {x_name} must have shape (..., K), got a scalar of shape {x_shape}.")
+    if kernel.ndim != 2:
+        raise ValueError(f"{owner}: kernel must have shape (K, N), got shape {kernel.shape}.")
+    k, n = kernel.shape
+    if x_shape[-1] != k:
+        raise ValueError(
+            f"{owner}: {x_name}'s last dimension {x_shape[-1]} (shape {x_shape}) must equal "
+            f"kernel's first dimension K={k} (shape {kernel.shape})."
+        )
+    f32_bias = False
+    if bias is not None:
+        if bias.shape != (n,):
+            raise ValueError(f"{owner}: bias must have shape (N,) = ({n},), got shape {bias.shape}.")
+        b_dtype = _dtype_name(bias)
+        f32_bias = dtype in HALF_DTYPES and b_dtype == "float32"
+        if b_dtype != dtype and not f32_bias:
+            allowed = [dtype, "float32"] if dtype in HALF_DTYPES else [dtype]
+            raise TypeError(
+                f"{owner}: bias dtype {b_dtype} does not fit {dtype} operands; allowed: {allowed}."
+            )
+    return act, dtype, _compute_type(compute_type, dtype, f32_bias, owner), f32_bias
 
 
 def _dtype_name(value) -> str:
@@ -36,7 +76,7 @@ def _dtype_name(value) -> str:
     return np.dtype(jax.dtypes.canonicalize_dtype(value.dtype)).name
 
 
-def _activation(value) -> Activation | None:
+def _activation(value, owner: str = "fused_dense") -> Activation | None:
     if value is None or isinstance(value, Activation):
         return value
     if isinstance(value, str) and value in _ACTIVATIONS:
@@ -47,24 +87,24 @@ def _activation(value) -> Activation | None:
             " cuBLASLt's only GELU is the tanh approximation (activation='gelu'); for the exact"
             " erf GELU apply jax.nn.gelu(y, approximate=False) to fused_dense(..., activation=None)."
         )
-    raise ValueError(f"fused_dense: unknown activation {value!r}; allowed: {_ACTIVATIONS}.{hint}")
+    raise ValueError(f"{owner}: unknown activation {value!r}; allowed: {_ACTIVATIONS}.{hint}")
 
 
-def _compute_type(value, dtype: str, f32_bias: bool) -> ComputeType:
+def _compute_type(value, dtype: str, f32_bias: bool, owner: str = "fused_dense") -> ComputeType:
     valid = valid_compute_types(dtype, f32_bias)
     if value is None:
         return default_compute_type(dtype)
     name = value if isinstance(value, str) else getattr(value, "name", None)
     if not isinstance(value, (str, enum.Enum)) or name not in ComputeType.__members__:
         raise ValueError(
-            f"fused_dense: unknown compute_type {value!r}; pass a MatmulComputeType or its "
+            f"{owner}: unknown compute_type {value!r}; pass a MatmulComputeType or its "
             f"name, one of {[c.name for c in ComputeType]}."
         )
     ct = ComputeType[name]
     if ct not in valid:
         bias_note = " with a float32 bias" if f32_bias else ""
         raise ValueError(
-            f"fused_dense: compute_type {ct.name} cannot run {dtype} operands{bias_note}; "
+            f"{owner}: compute_type {ct.name} cannot run {dtype} operands{bias_note}; "
             f"allowed: {[c.name for c in valid]}."
         )
     return ct
@@ -138,42 +178,8 @@ def fused_dense(
     own expression it works as for any jnp code.
     """
     _check_array(x, "x")
-    _check_array(kernel, "kernel")
-    if bias is not None:
-        _check_array(bias, "bias")
-    act = _activation(activation)
-    dtype = _dtype_name(x)
-    if dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"fused_dense: x has dtype {dtype}; allowed: {SUPPORTED_DTYPES}.")
-    if _dtype_name(kernel) != dtype:
-        raise TypeError(
-            f"fused_dense: kernel dtype {_dtype_name(kernel)} differs from x dtype {dtype}; "
-            "cast one of them so both match."
-        )
-    if x.ndim < 1:
-        raise ValueError(f"fused_dense: x must have shape (..., K), got a scalar of shape {x.shape}.")
-    if kernel.ndim != 2:
-        raise ValueError(f"fused_dense: kernel must have shape (K, N), got shape {kernel.shape}.")
+    act, dtype, ct, f32_bias = check_layer("fused_dense", x.shape, x, kernel, bias, activation, compute_type)
     k, n = kernel.shape
-    if x.shape[-1] != k:
-        raise ValueError(
-            f"fused_dense: x's last dimension {x.shape[-1]} (shape {x.shape}) must equal "
-            f"kernel's first dimension K={k} (shape {kernel.shape})."
-        )
-    f32_bias = False
-    if bias is not None:
-        if bias.shape != (n,):
-            raise ValueError(
-                f"fused_dense: bias must have shape (N,) = ({n},), got shape {bias.shape}."
-            )
-        b_dtype = _dtype_name(bias)
-        f32_bias = dtype in HALF_DTYPES and b_dtype == "float32"
-        if b_dtype != dtype and not f32_bias:
-            allowed = [dtype, "float32"] if dtype in HALF_DTYPES else [dtype]
-            raise TypeError(
-                f"fused_dense: bias dtype {b_dtype} does not fit {dtype} operands; allowed: {allowed}."
-            )
-    ct = _compute_type(compute_type, dtype, f32_bias)
     impl = _implementation(implementation, ct, return_aux)
     m = math.prod(x.shape[:-1])
     if impl == "auto":
@@ -210,9 +216,9 @@ _XLA_COMPUTE_TYPES = (
 )
 
 
-def _implementation(value, ct: ComputeType, return_aux: bool) -> str:
+def _implementation(value, ct: ComputeType, return_aux: bool, owner: str = "fused_dense") -> str:
     if value not in _IMPLEMENTATIONS:
-        raise ValueError(f"fused_dense: unknown implementation {value!r}; allowed: {_IMPLEMENTATIONS}.")
+        raise ValueError(f"{owner}: unknown implementation {value!r}; allowed: {_IMPLEMENTATIONS}.")
     if value == "xla" and return_aux:
         raise ValueError(
             "fused_dense: return_aux=True needs the epilog's aux, which implementation='xla' does "
@@ -220,7 +226,7 @@ def _implementation(value, ct: ComputeType, return_aux: bool) -> str:
         )
     if value == "xla" and ct not in _XLA_COMPUTE_TYPES:
         raise ValueError(
-            f"fused_dense: implementation='xla' cannot accumulate as compute_type {ct.name}; "
+            f"{owner}: implementation='xla' cannot accumulate as compute_type {ct.name}; "
             f"allowed: {[c.name for c in _XLA_COMPUTE_TYPES]} (or implementation='cublaslt')."
         )
     return value

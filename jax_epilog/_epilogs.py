@@ -134,6 +134,12 @@ class EpilogSpec(NamedTuple):
       so D is the row-major (k, n) kernel gradient; with the ``BGRADA`` epilog the same
       kernel also writes dbias[n] = sum_m A[n, m] (A reduced over the GEMM's inner
       dimension) into the bias pointer, in D's dtype.
+    * ``"dgrad"``: D[k, m] = dgelu(A[k, n] @ B[n, m], aux) with A = the layer's kernel
+      (row-major (k, n), read transposed) and B = dz (row-major (m, n)), so D is the
+      row-major (m, k) input gradient multiplied by GELU's derivative at the aux: the
+      previous GELU layer's pre-activation in that layer's forward aux layout (row-major
+      (m, round_up(k, 8)), D's dtype). Epilog ``"DGELU"``: it turns this layer's dz into
+      the previous layer's. No bias.
     """
 
     m: int
@@ -141,10 +147,10 @@ class EpilogSpec(NamedTuple):
     k: int
     epilog: str  # cublasLtEpilogue_t name, e.g. "GELU_AUX_BIAS"
     compute_type: str  # ComputeType name
-    ab_dtype: str  # dtype of x and kernel (of x and dz for "wgrad")
+    ab_dtype: str  # dtype of x and kernel (of x and dz for "wgrad", of dz and kernel for "dgrad")
     bias_dtype: str | None  # None without bias (for "wgrad": the dbias output's dtype)
     d_dtype: str  # dtype of D (and of the GELU aux)
-    problem: str = "forward"  # or "wgrad"
+    problem: str = "forward"  # or "wgrad", "dgrad"
 
     @property
     def has_aux(self) -> bool:

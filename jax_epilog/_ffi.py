@@ -84,7 +84,8 @@ def call(operands: tuple[jax.Array, ...], results: list[jax.ShapeDtypeStruct], s
     """Emit the custom call for ``spec``; returns the list of results.
 
     Operands and results by position: forward (x, kernel[, bias]) -> (D[, aux]);
-    wgrad (x, dz) -> (D = dkernel[, dbias]).
+    wgrad (x, dz) -> (D = dkernel[, dbias]); dgrad (dz, kernel, aux) -> (D = dz of the
+    previous layer).
     """
     key = spec_key(spec)
     _handler.remember(key, spec)
@@ -170,20 +171,23 @@ class _Handler:
             stream = api.stream(mem[f + _F_CTX])
             streamed = _now() if self.trace is not None else 0
             args, rets = mem[f + _F_ARGS] >> 3, mem[f + _F_RETS] >> 3
-            x = mem[(mem[args] >> 3) + _B_DATA]
+            b = mem[(mem[args] >> 3) + _B_DATA]  # x, or dz for "dgrad"
             a = mem[(mem[args + 1] >> 3) + _B_DATA]  # the kernel, or dz for "wgrad"
-            bias = mem[(mem[args + 2] >> 3) + _B_DATA] if mem[f + _F_NARGS] > 2 else 0
+            arg2 = mem[(mem[args + 2] >> 3) + _B_DATA] if mem[f + _F_NARGS] > 2 else 0
             d = mem[(mem[rets] >> 3) + _B_DATA]
-            aux = mem[(mem[rets + 1] >> 3) + _B_DATA] if mem[f + _F_NRETS] > 1 else 0  # or dbias
-            alignment = self._nvmath.alignment_of(x, a, d, bias, aux)
+            ret1 = mem[(mem[rets + 1] >> 3) + _B_DATA] if mem[f + _F_NRETS] > 1 else 0
+            alignment = self._nvmath.alignment_of(b, a, d, arg2, ret1)
             plan = self._plans.get((key, stream, alignment))
             if plan is None:
                 plan = self._make_plan(key, stream, alignment, d, frame)
             looked_up = _now() if self.trace is not None else 0
-            if plan.bias_is_output:  # "wgrad": the second result is dbias
-                plan.run(stream, a, x, aux, d, 0)
-            else:
-                plan.run(stream, a, x, bias, d, aux)
+            problem = plan.problem
+            if problem == "forward":  # (x, kernel[, bias]) -> (D[, aux])
+                plan.run(stream, a, b, arg2, d, ret1)
+            elif problem == "wgrad":  # (x, dz) -> (dkernel, dbias)
+                plan.run(stream, a, b, ret1, d, 0)
+            else:  # "dgrad": (dz, kernel, aux) -> D; the aux is an input
+                plan.run(stream, a, b, 0, d, arg2)
             end = _now()
             self.calls += 1
             self.busy_ns += end - start
@@ -270,6 +274,8 @@ class _Handler:
                 problem = a.get("problem", "forward")
                 if problem == "wgrad":
                     bias_dtype = outs[1] if len(outs) > 1 else None
+                elif problem == "dgrad":
+                    bias_dtype = None  # the third operand is the aux
                 else:
                     bias_dtype = ins[2] if len(ins) > 2 else None
                 spec = EpilogSpec(

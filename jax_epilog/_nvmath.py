@@ -31,7 +31,7 @@ from nvmath.bindings import cublasLt
 from nvmath.linalg._internal import matmul_pref_ifc
 from nvmath.linalg.advanced import Matmul, MatmulComputeType, MatmulEpilog, MatmulOptions
 
-from ._epilogs import EpilogSpec
+from ._epilogs import Activation, EpilogSpec, aux_padded_width
 
 __all__ = [
     "NVMATH_VERSION", "Plan", "PlanningError", "alignment_of", "current_device", "device_of", "fill_normal",
@@ -210,6 +210,15 @@ class Plan:
             a = views.view((n, m), spec.ab_dtype, (1, n))
             b = views.view((m, k), spec.ab_dtype, (k, 1))
             c = views.view((n, k), spec.d_dtype, (1, n))
+        elif spec.problem == "dgrad":
+            # Column-major D[k, m] = A[k, n] @ B[n, m]: A is the row-major (k, n) kernel
+            # (a row-ordered layout), B the row-major (m, n) dz, D the row-major (m, k) input
+            # gradient, and the aux the previous layer's GELU input in its forward layout.
+            a = views.view((k, n), spec.ab_dtype, (n, 1))
+            b = views.view((n, m), spec.ab_dtype, (1, n))
+            c = views.view((k, m), spec.d_dtype, (1, k))
+            width = aux_padded_width(Activation.GELU, k)
+            epilog_inputs = {"gelu_aux": views.view((width, m), spec.d_dtype, (1, width))}
         else:
             # Column-major D[n, m] = A[n, k] @ B[k, m]: A is the row-major (k, n) kernel,
             # B the row-major (m, k) x, D the row-major (m, n) output.
@@ -220,7 +229,8 @@ class Plan:
         options = MatmulOptions(
             compute_type=MatmulComputeType[spec.compute_type], handle=_handle(device_id)
         )
-        epilog_inputs = None
+        if spec.problem != "dgrad":
+            epilog_inputs = None
         if spec.bias_dtype is not None and spec.problem == "forward":
             epilog_inputs = {"bias": views.view((n,), spec.bias_dtype, (1,))}
         epilog = None if spec.epilog == "DEFAULT" else MatmulEpilog[spec.epilog]
@@ -274,8 +284,8 @@ class Plan:
             self._workspace = cp.cuda.alloc(ws_size) if ws_size else None
         self._ws_ptr = self._workspace.ptr if ws_size else 0
         self._ws_size = ws_size
-        # "wgrad" writes dbias through the bias pointer: it is an output of the call.
-        self.bias_is_output = spec.problem == "wgrad"
+        # How the FFI handler's buffers map onto run(): see _ffi._Handler.__call__.
+        self.problem = spec.problem
 
     def _choose_algorithm(self, count: int):
         """cuBLASLt's ``count`` best heuristic algorithms for operands aligned to
@@ -316,9 +326,12 @@ class Plan:
         bias = s.n * _NP_DTYPES[s.bias_dtype].itemsize if s.bias_dtype else 0
         if s.problem == "wgrad":
             return s.m * s.n * ab, s.m * s.k * ab, s.k * s.n * d, bias, 0
+        if s.problem == "dgrad":
+            return s.k * s.n * ab, s.m * s.n * ab, s.m * s.k * d, 0, s.m * aux_padded_width(Activation.GELU, s.k) * d
         aux = 0
         if s.has_aux:  # ReLU: one bit per output, rows padded to 128 bits; GELU: z padded to 8
-            aux = s.m * -(-s.n // 128) * 16 if s.activation.name == "RELU" else s.m * -(-s.n // 8) * 8 * d
+            itemsize = 1 if s.activation is Activation.RELU else d
+            aux = s.m * aux_padded_width(s.activation, s.n) * itemsize
         return s.k * s.n * ab, s.m * s.k * ab, s.m * s.n * d, bias, aux
 
     def _time_candidates(self, heuristic) -> list[float]:
@@ -337,12 +350,17 @@ class Plan:
             with cp.cuda.Device(self.device_id):
                 scratch = cp.cuda.alloc(sum(sizes) + ws_size)
                 stream = cp.cuda.Stream(non_blocking=True)
-                with stream:  # operands like a layer's: x and dz ~ N(0, 1), kernel ~ N(0, 1/k)
+                with stream:  # operands like a layer's: x, dz and z ~ N(0, 1), kernel ~ N(0, 1/k)
                     if s.problem == "forward":
                         fill_normal(scratch + int(offsets[0]), s.k * s.n, s.ab_dtype, 1 / np.sqrt(s.k))
-                    else:
+                        fill_normal(scratch + int(offsets[1]), s.m * s.k, s.ab_dtype)
+                    elif s.problem == "wgrad":
                         fill_normal(scratch + int(offsets[0]), s.m * s.n, s.ab_dtype)
-                    fill_normal(scratch + int(offsets[1]), s.m * s.k, s.ab_dtype)
+                        fill_normal(scratch + int(offsets[1]), s.m * s.k, s.ab_dtype)
+                    else:  # "dgrad"; its aux (an input) is a GELU input
+                        fill_normal(scratch + int(offsets[0]), s.k * s.n, s.ab_dtype, 1 / np.sqrt(s.k))
+                        fill_normal(scratch + int(offsets[1]), s.m * s.n, s.ab_dtype)
+                        fill_normal(scratch + int(offsets[4]), s.m * aux_padded_width(Activation.GELU, s.k), s.d_dtype)
                     if s.bias_dtype and s.problem == "forward":
                         fill_normal(scratch + int(offsets[3]), s.n, s.bias_dtype)
                 stream.synchronize()

@@ -2,7 +2,8 @@
 
 ``fused_matmul_p`` is the forward (GEMM + bias + activation, optionally the aux);
 ``fused_weight_grad_p`` the backward's kernel-gradient GEMM with the bias gradient fused
-into its epilog (cuBLASLt's BGRADA).
+into its epilog (cuBLASLt's BGRADA); ``fused_gelu_input_grad_p`` a layer's input-gradient
+GEMM with the previous GELU layer's derivative fused into its epilog (cuBLASLt's DGELU).
 
 On CUDA the primitive lowers to our FFI custom call when nvmath-python is importable and
 cuBLASLt accepts the problem (checked by planning it at lowering time, so a refusal never
@@ -25,7 +26,7 @@ from jax.interpreters import batching, mlir
 from . import _reference
 from ._epilogs import ComputeType, EpilogSpec, aux_dtype, aux_padded_width, epilog_name
 
-__all__ = ["FastPathWarning", "fused_matmul", "fused_weight_grad"]
+__all__ = ["FastPathWarning", "fused_gelu_input_grad", "fused_matmul", "fused_weight_grad"]
 
 
 class FastPathWarning(RuntimeWarning):
@@ -249,3 +250,74 @@ mlir.register_lowering(fused_weight_grad_p, _wgrad_cuda_lowering, platform="cuda
 
 # Each batch member has its own gradient: one fused call per member, in a loop.
 batching.primitive_batchers[fused_weight_grad_p] = functools.partial(_map_over_batch, fused_weight_grad_p)
+
+
+# ------------------------------------------------- input gradient through a previous GELU
+
+fused_gelu_input_grad_p = Primitive("jax_epilog_fused_gelu_input_grad")
+fused_gelu_input_grad_p.multiple_results = True
+
+
+def fused_gelu_input_grad(dz, kernel, aux, *, compute_type):
+    """(m, n) dz, (k, n) kernel, (m, round_up(k, 8)) GELU aux -> [(dz @ kernel^T) * gelu'(z)],
+    (m, k) in the aux's dtype, from one GEMM (``_reference.gelu_input_grad``)."""
+    return fused_gelu_input_grad_p.bind(dz, kernel, aux, compute_type=compute_type)
+
+
+def _igrad_abstract_eval(dz, kernel, aux, *, compute_type):
+    del compute_type
+    return [jax.core.ShapedArray((dz.shape[0], kernel.shape[0]), aux.dtype)]
+
+
+def _igrad_reference_impl(dz, kernel, aux, *, compute_type):
+    return [_reference.gelu_input_grad(dz, kernel, aux, compute_type)]
+
+
+fused_gelu_input_grad_p.def_abstract_eval(_igrad_abstract_eval)
+fused_gelu_input_grad_p.def_impl(_impl_of(fused_gelu_input_grad_p))
+_igrad_reference_lowering = mlir.lower_fun(_igrad_reference_impl, multiple_results=True)
+mlir.register_lowering(fused_gelu_input_grad_p, _igrad_reference_lowering)
+
+
+def _igrad_cuda_lowering(ctx, dz, kernel, aux, *, compute_type):
+    dz_aval, k_aval, aux_aval = ctx.avals_in
+    (m, n), k = dz_aval.shape, k_aval.shape[0]
+    spec = None
+    # n = 1 is a GEMM with an inner dimension of 1, which nvmath refuses for DGELU epilogs.
+    if np.dtype(dz_aval.dtype) != np.float64 and 0 not in (m, k, n) and n != 1:
+        spec = EpilogSpec(
+            m=int(m), n=int(n), k=int(k), epilog="DGELU",
+            compute_type=ComputeType(compute_type).name, ab_dtype=np.dtype(dz_aval.dtype).name,
+            bias_dtype=None, d_dtype=np.dtype(aux_aval.dtype).name, problem="dgrad",
+        )  # fmt: skip
+
+    def fused(dz, kernel, aux):
+        from . import _ffi
+
+        return _ffi.call((dz, kernel, aux), _results(ctx.avals_out), spec)
+
+    params = dict(compute_type=compute_type)
+    return _lower_fused_or_reference(ctx, (dz, kernel, aux), spec, _igrad_reference_lowering, params, fused)
+
+
+mlir.register_lowering(fused_gelu_input_grad_p, _igrad_cuda_lowering, platform="cuda")
+
+
+def _igrad_batch(args, dims, **params):
+    dz, kernel, aux = args
+    dz_dim, k_dim, aux_dim = dims
+    if k_dim is not None:  # batched kernels: one call per member
+        return _map_over_batch(fused_gelu_input_grad_p, args, dims, **params)
+    # A shared kernel: fold the batch into the GEMM's rows, one call.
+    size = dz.shape[dz_dim] if dz_dim is not None else aux.shape[aux_dim]
+    dz, aux = (
+        jnp.broadcast_to(a, (size, *a.shape)) if d is None else jnp.moveaxis(a, d, 0)
+        for a, d in ((dz, dz_dim), (aux, aux_dim))
+    )
+    (out,) = fused_gelu_input_grad_p.bind(
+        dz.reshape(-1, dz.shape[-1]), kernel, aux.reshape(-1, aux.shape[-1]), **params
+    )
+    return [out.reshape(size, -1, out.shape[-1])], [0]
+
+
+batching.primitive_batchers[fused_gelu_input_grad_p] = _igrad_batch

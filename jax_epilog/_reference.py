@@ -18,10 +18,12 @@ from ._epilogs import Activation, ComputeType, aux_dtype, aux_padded_width
 __all__ = [
     "activate",
     "dense",
+    "gelu_input_grad",
     "input_grad",
     "output_grad",
     "pack_relu_mask",
     "plain",
+    "plain_preactivation",
     "unpack_relu_mask",
     "weight_grad",
 ]
@@ -76,11 +78,15 @@ def plain(
     """``act(x @ kernel + bias)`` as users write it, for XLA to compile (and differentiate)
     its own way: XLA's rounding (after the matmul, the bias and the activation for half
     dtypes), float32 products in full precision unless ``tf32``. Result in x's dtype."""
+    return activate(plain_preactivation(x, kernel, bias, tf32), activation).astype(x.dtype)
+
+
+def plain_preactivation(x: jax.Array, kernel: jax.Array, bias: jax.Array | None, tf32: bool) -> jax.Array:
+    """``x @ kernel + bias`` of ``plain``, before the activation (x's dtype, or float32
+    with a float32 bias)."""
     precision = jax.lax.Precision.DEFAULT if tf32 else jax.lax.Precision.HIGHEST
     z = jnp.matmul(x, kernel, precision=precision)
-    if bias is not None:
-        z = z + bias
-    return activate(z, activation).astype(x.dtype)
+    return z if bias is None else z + bias
 
 
 def dense(
@@ -143,6 +149,15 @@ def output_grad(
 def input_grad(dz: jax.Array, kernel: jax.Array, compute_type: ComputeType) -> jax.Array:
     """``dx = dz @ kernel^T``, accumulated like the forward."""
     return _matmul(dz, kernel, (1, 1), compute_type).astype(kernel.dtype)
+
+
+def gelu_input_grad(dz: jax.Array, kernel: jax.Array, aux: jax.Array, compute_type: ComputeType) -> jax.Array:
+    """``(dz @ kernel^T) * gelu'(z)`` in the aux's dtype, with ``aux`` the previous layer's
+    GELU aux (its input z, padded): the dz of the layer before this one, as the GPU's
+    ``dgrad`` problem forms it in one GEMM with the DGELU epilog. The product stays in the
+    accumulator until it is multiplied by the derivative, then rounds once."""
+    dh = _matmul(dz, kernel, (1, 1), compute_type)
+    return output_grad(aux, dh, None, Activation.GELU, compute_type, aux.dtype)
 
 
 def weight_grad(

@@ -1,4 +1,5 @@
-"""Flax Linen layer: ``FusedDense``, ``flax.linen.Dense`` with a fused activation.
+"""Flax Linen layers: ``FusedDense``, ``flax.linen.Dense`` with a fused activation, and
+``FusedMLP``, a stack of them differentiated as one (:func:`jax_epilog.fused_mlp`).
 
 ``FusedDense(features, activation="gelu")`` computes ``act(x @ kernel + bias)`` with
 :func:`jax_epilog.fused_dense`: one cuBLASLt kernel on an NVIDIA GPU, plain JAX elsewhere.
@@ -63,6 +64,11 @@ Example::
         def __call__(self, x):
             x = FusedDense(256, activation="relu", name="fc1")(x)
             return FusedDense(10, name="out")(x)
+
+``FusedMLP((4 * d, d), ("gelu", None), layer_names=("fc_in", "fc_out"))`` holds the same
+parameters as those two ``FusedDense`` layers with those names (and initialises them
+bit-identically) and computes the same values; its backward forms the GELU layer's
+gradient inside the next layer's GEMM (see :func:`jax_epilog.fused_mlp`).
 """
 
 from __future__ import annotations
@@ -83,8 +89,9 @@ import numpy as np
 
 from ._dense import fused_dense
 from ._epilogs import Activation, ComputeType
+from ._mlp import fused_mlp
 
-__all__ = ["FusedDense"]
+__all__ = ["FusedDense", "FusedMLP"]
 
 # Compute types below what each precision asks for. HIGH is also spelled "tensorfloat32" in
 # JAX, so it admits TF32 products, but not 16-bit ones; HIGHEST admits only full precision.
@@ -202,4 +209,69 @@ class FusedDense(nn.Module):
         return fused_dense(
             inputs, kernel, bias, activation=self.activation, compute_type=compute_type,
             implementation=self.implementation,
+        )  # fmt: skip
+
+
+class _DenseParams(nn.Module):
+    """A dense layer's parameters, as ``FusedDense`` makes them (same names, shapes, order)."""
+
+    features: int
+    use_bias: bool
+    param_dtype: Any
+    kernel_init: Any
+    bias_init: Any
+
+    @nn.compact
+    def __call__(self, in_features: int):
+        kernel = self.param("kernel", self.kernel_init, (in_features, self.features), self.param_dtype)
+        bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
+        return kernel, bias
+
+
+class FusedMLP(nn.Module):
+    """``FusedDense`` layers in sequence, as :func:`jax_epilog.fused_mlp`: the same values,
+    and a backward that fuses each GELU layer's derivative into the next layer's GEMM.
+
+    Attributes:
+      features: output features of each layer, e.g. ``(4 * d, d)``.
+      activations: one per layer: None, ``"relu"`` or ``"gelu"`` (tanh approximation).
+      layer_names: the parameter collections' names, one per layer (default
+        ``layers_0, layers_1, ...``); each holds ``"kernel"`` and ``"bias"`` exactly as a
+        ``FusedDense`` of that name would.
+      use_bias, dtype, param_dtype, precision, kernel_init, bias_init, promote_dtype,
+      compute_type, implementation: as for ``FusedDense``, for every layer.
+    """
+
+    features: Any
+    activations: Any
+    layer_names: Any = None
+    use_bias: bool = True
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    precision: Any = None
+    kernel_init: Any = _default_kernel_init
+    bias_init: Any = nn.initializers.zeros_init()
+    promote_dtype: Any = _flax_dtypes.promote_dtype
+    compute_type: Any = None
+    implementation: str = "auto"
+
+    @nn.compact
+    def __call__(self, inputs):
+        features = tuple(self.features)
+        names = tuple(self.layer_names or (f"layers_{i}" for i in range(len(features))))
+        if len(names) != len(features):
+            raise ValueError(f"FusedMLP: {len(names)} layer_names for {len(features)} layers.")
+        layers, in_features = [], jnp.shape(inputs)[-1]
+        for width, name in zip(features, names):
+            params = _DenseParams(
+                width, self.use_bias, self.param_dtype, self.kernel_init, self.bias_init, name=name
+            )
+            layers.append(params(in_features))
+            in_features = width
+        promoted = [self.promote_dtype(inputs, kernel, bias, dtype=self.dtype) for kernel, bias in layers]
+        x = promoted[0][0]
+        compute_type = _resolve_compute_type(self.precision, self.compute_type, x.dtype, "FusedMLP")
+        return fused_mlp(
+            x, [(kernel, bias) for _, kernel, bias in promoted], self.activations,
+            compute_type=compute_type, implementation=self.implementation,
         )  # fmt: skip

@@ -63,9 +63,10 @@ import jax.numpy as jnp
 
 from ._dense import fused_dense
 from ._epilogs import Activation
+from ._mlp import fused_mlp
 from .linen import _resolve_compute_type
 
-__all__ = ["FusedLinear"]
+__all__ = ["FusedLinear", "FusedMLP"]
 
 
 class FusedLinear(nnx.Module):
@@ -142,3 +143,44 @@ class FusedLinear(nnx.Module):
             inputs, kernel, bias, activation=self.activation, compute_type=compute_type,
             implementation=self.implementation,
         )  # fmt: skip
+
+
+class FusedMLP(nnx.Module):
+    """``FusedLinear`` layers in sequence, as :func:`jax_epilog.fused_mlp`: the same values,
+    and a backward that fuses each GELU layer's derivative into the next layer's GEMM.
+
+    Args:
+      features: the input width, then each layer's output width, e.g. ``(d, 4 * d, d)``.
+      activations: one per layer: None, ``"relu"`` or ``"gelu"`` (tanh approximation).
+      rngs: the ``nnx.Rngs`` to draw the parameters from, layer after layer.
+      **kwargs: ``FusedLinear``'s keyword arguments (``use_bias``, ``dtype``,
+        ``param_dtype``, ``precision``, initializers, ``compute_type``,
+        ``implementation``, ...), for every layer.
+
+    ``self.layers`` is an ``nnx.List`` of ``FusedLinear``: the same state, drawn in the same
+    order, as those layers built one after the other from the same ``rngs``.
+    """
+
+    def __init__(self, features, activations, *, rngs: nnx.Rngs, **kwargs):
+        features, activations = tuple(features), tuple(activations)
+        if len(features) != len(activations) + 1:
+            raise ValueError(
+                f"FusedMLP: features {features} must hold the input width and one width per "
+                f"layer: {len(activations) + 1} entries for {len(activations)} activations."
+            )
+        self.layers = nnx.List(
+            FusedLinear(k, n, activation=act, rngs=rngs, **kwargs)
+            for k, n, act in zip(features[:-1], features[1:], activations)
+        )
+
+    def __call__(self, inputs):
+        """Applies the layers in turn along the last dimension of ``inputs``."""
+        first = self.layers[0]
+        layers = []
+        for layer in self.layers:
+            bias = layer.bias[...] if layer.bias is not None else None
+            x, kernel, bias = layer.promote_dtype((inputs, layer.kernel[...], bias), dtype=layer.dtype)
+            layers.append((kernel, bias))
+        compute_type = _resolve_compute_type(first.precision, first.compute_type, x.dtype, "FusedMLP")
+        activations = [layer.activation for layer in self.layers]
+        return fused_mlp(x, layers, activations, compute_type=compute_type, implementation=first.implementation)

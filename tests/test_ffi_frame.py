@@ -3,7 +3,7 @@
 The frame follows XLA's FFI C API 0.1 (xla/ffi/api/c_api.h) as ``jax_epilog._ffi`` reads
 it. On a GPU, test_gpu.py checks the same decoding against XLA's real frames; here every
 branch of the handler runs in CI: the metadata query, the fast path, the first-call
-attribute decoding, "wgrad"'s output bias, and errors returned to XLA instead of raised.
+attribute decoding, "wgrad"'s output bias, "dgrad"'s input aux, and errors returned to XLA instead of raised.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ _API_FN = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)
 
 FORWARD = EpilogSpec(33, 65, 129, "RELU_AUX_BIAS", "COMPUTE_32F", "float16", "float32", "float32")
 WGRAD = EpilogSpec(33, 65, 129, "BGRADA", "COMPUTE_32F", "float16", "float32", "float32", "wgrad")
+DGRAD = EpilogSpec(33, 65, 129, "DGELU", "COMPUTE_32F", "bfloat16", None, "float32", "dgrad")
 
 
 def _words(*values):
@@ -93,7 +94,7 @@ class Frame:
 class FakePlan:
     def __init__(self, spec, fail=False):
         self.spec = spec
-        self.bias_is_output = spec.problem == "wgrad"
+        self.problem = spec.problem
         self.runs = []
         self._fail = fail
 
@@ -188,6 +189,15 @@ def test_wgrad_passes_the_second_result_as_the_bias_output(handler):
     [(spec, _, _, plan)] = handler.plans
     assert spec == WGRAD
     assert plan.runs == [(_STREAM, 0x20000, 0x10000, 0x60000, 0x40000, 0)]
+
+
+def test_dgrad_passes_the_third_operand_as_the_input_aux(handler):
+    # (dz, kernel, aux) -> D, undecoded: the aux must not be taken for a bias
+    frame = Frame([(_BF16, 0x10000), (_BF16, 0x20000), (_F32, 0x30000)], [(_F32, 0x40000)], _attrs(DGRAD))
+    assert frame(handler) is None, frame.errors
+    [(spec, _, _, plan)] = handler.plans
+    assert spec == DGRAD
+    assert plan.runs == [(_STREAM, 0x20000, 0x10000, 0, 0x40000, 0x30000)]
 
 
 def test_failures_are_returned_to_xla_as_errors(handler):

@@ -7,6 +7,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -46,6 +47,19 @@ def _oracle(x, w, b, activation):
     if activation == "gelu":
         return 0.5 * z * (1 + np.tanh(np.sqrt(2 / np.pi) * (z + 0.044715 * z**3))), z
     return z, z
+
+
+_NP_DT = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16), "float32": np.dtype(np.float32)}
+
+
+def _device(a, dt, shape, strides):
+    """A CuPy view of ``a``'s values in dtype ``dt`` with the given shape and element
+    strides (built from raw bytes: CuPy cannot take bfloat16 through a typestr)."""
+    import cupy as cp
+
+    host = np.ascontiguousarray(np.asarray(a, _NP_DT[dt]))
+    raw = cp.asarray(host.view(np.uint8))
+    return cp.ndarray(shape, _NP_DT[dt], raw.data, tuple(s * _NP_DT[dt].itemsize for s in strides))
 
 
 def _assert_close(y, expected, tol):
@@ -117,24 +131,18 @@ def test_seed_case_fp16_with_fp32_bias_is_fused_and_exact(rng, activation):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_matches_nvmath_matmul_directly(rng, activation, dtype):
     import cupy as cp
-    import ml_dtypes
     from nvmath.linalg.advanced import Matmul, MatmulEpilog
 
     m, k, n = 200, 333, 96 + 5
     x, w, b = _inputs(rng, m, k, n, dtype)
     y, aux = jit_dense(x, w, b, activation=activation, return_aux=True)
 
-    np_dtype = np.float16 if dtype == "float16" else ml_dtypes.bfloat16
-
-    def device(a, shape, strides):  # cupy view with an explicit dtype (cupy has no bf16 typestr)
-        raw = cp.asarray(np.ascontiguousarray(np.asarray(a, np_dtype)).view(np.uint16))
-        itemsize = 2
-        return cp.ndarray(shape, np_dtype, raw.data, tuple(s * itemsize for s in strides))
+    np_dtype = _NP_DT[dtype]
 
     # The same column-major problem as the fast path: D[n, m] = W^T[n, k] @ X^T[k, m].
-    a = device(w, (n, k), (1, n))
-    bm = device(x, (k, m), (1, k))
-    bias = device(b, (n,), (1,))
+    a = _device(w, dtype, (n, k), (1, n))
+    bm = _device(x, dtype, (k, m), (1, k))
+    bias = _device(b, dtype, (n,), (1,))
     epilog = MatmulEpilog.RELU_AUX_BIAS if activation == "relu" else MatmulEpilog.GELU_AUX_BIAS
     with Matmul(a, bm) as mm:
         mm.plan(epilog=epilog, epilog_inputs={"bias": bias})
@@ -266,7 +274,6 @@ def test_weight_grad_matches_nvmath_bgrada_directly(rng, dtype, bias_dtype):
     """The backward's cuBLASLt GEMM (dkernel and dbias from one call) equals nvmath's own
     Matmul with the BGRADA epilog on the same inputs, and a float64 oracle."""
     import cupy as cp
-    import ml_dtypes
     from nvmath.linalg.advanced import Matmul, MatmulEpilog
 
     from jax_epilog._primitive import fused_weight_grad
@@ -280,24 +287,16 @@ def test_weight_grad_matches_nvmath_bgrada_directly(rng, dtype, bias_dtype):
     dkernel, dbias = f(x, dz)
     assert dkernel.dtype == d_dtype and dbias.dtype == d_dtype
 
-    np_dt = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16),
-             "float32": np.dtype(np.float32)}
-
-    def device(a, dt, shape, strides):  # cupy view with an explicit dtype (no bf16 typestr)
-        host = np.ascontiguousarray(np.asarray(a, np_dt[dt]))
-        raw = cp.asarray(host.view(np.uint8))
-        return cp.ndarray(shape, np_dt[dt], raw.data, tuple(s * np_dt[dt].itemsize for s in strides))
-
-    a = device(dz, dtype, (n, m), (1, n))  # column-major dz^T
-    bm = device(x, dtype, (m, k), (k, 1))  # x as stored
-    c = device(np.zeros((k, n)), d_dtype, (n, k), (1, n))
+    a = _device(dz, dtype, (n, m), (1, n))  # column-major dz^T
+    bm = _device(x, dtype, (m, k), (k, 1))  # x as stored
+    c = _device(np.zeros((k, n)), d_dtype, (n, k), (1, n))
     with Matmul(a, bm, c=c, beta=0.0) as mm:
         mm.plan(epilog=MatmulEpilog.BGRADA)
         d_nv, aux = mm.execute()
     bits = np.uint32 if d_dtype == "float32" else np.uint16
 
     def as_f64(arr):
-        return cp.asnumpy(arr.view(bits)).view(np_dt[d_dtype]).astype(np.float64)
+        return cp.asnumpy(arr.view(bits)).view(_NP_DT[d_dtype]).astype(np.float64)
 
     want_dk = np.asarray(x, np.float64).T @ np.asarray(dz, np.float64)
     want_db = np.asarray(dz, np.float64).sum(axis=0)
@@ -317,3 +316,52 @@ def test_plans_made_at_lowering_are_autotuned(rng):
     assert tuned and all(p.tuning for p in tuned)
     assert all(np.isfinite(min(p.tuning)) for p in tuned)
     _assert_close(y, _oracle(x, w, b, "gelu")[0], TOL["bfloat16"])
+
+
+def test_a_gelu_link_in_fused_mlp_lowers_to_a_dgelu_input_gradient_gemm(rng):
+    from jax_epilog._ffi import TARGET_NAME
+
+    x, w1, b1 = _inputs(rng, 64, 40, 72, "bfloat16")
+    _, w2, b2 = _inputs(rng, 64, 72, 24, "bfloat16")
+    loss = lambda x, layers: jax_epilog.fused_mlp(x, layers, ("gelu", None)).astype(jnp.float32).sum()
+    text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, [(w1, b1), (w2, b2)]).as_text()
+    assert f"@{TARGET_NAME}(" in text and 'problem = "dgrad"' in text and '"DGELU"' in text, text
+
+
+@pytest.mark.parametrize("dtype,aux_dtype", [("bfloat16", "bfloat16"), ("float16", "float16"),
+                                             ("bfloat16", "float32"), ("float32", "float32")])
+def test_gelu_input_grad_matches_nvmath_dgelu_directly(rng, dtype, aux_dtype):
+    """The DGELU input-gradient GEMM equals nvmath's own Matmul with the DGELU epilog on
+    the same inputs, and a float64 oracle."""
+    import cupy as cp
+    from nvmath.linalg.advanced import Matmul, MatmulEpilog
+
+    from jax_epilog._primitive import fused_gelu_input_grad
+
+    m, n, k = 300, 133, 96 + 5  # dz (m, n), kernel (k, n), result (m, k)
+    width = aux_padded_width("gelu", k)
+    dz = jnp.asarray(rng.standard_normal((m, n)), dtype)
+    w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(n), dtype)
+    aux = jnp.asarray(rng.standard_normal((m, width)), aux_dtype)
+    f = jax.jit(functools.partial(fused_gelu_input_grad, compute_type=68))  # COMPUTE_32F
+    assert '"DGELU"' in f.lower(dz, w, aux).as_text()
+    (got,) = f(dz, w, aux)
+    assert got.shape == (m, k) and got.dtype == aux_dtype
+
+    a = _device(w, dtype, (k, n), (n, 1))  # the kernel as stored, read transposed
+    bm = _device(dz, dtype, (n, m), (1, n))  # column-major dz^T
+    c = _device(np.zeros((m, k)), aux_dtype, (k, m), (1, k))
+    gelu_aux = _device(aux, aux_dtype, (width, m), (1, width))
+    with Matmul(a, bm, c=c, beta=0.0) as mm:
+        mm.plan(epilog=MatmulEpilog.DGELU, epilog_inputs={"gelu_aux": gelu_aux})
+        d_nv = mm.execute()
+    bits = np.uint32 if aux_dtype == "float32" else np.uint16
+    nv = cp.asnumpy(d_nv.view(bits)).view(_NP_DT[aux_dtype]).astype(np.float64).T
+
+    z = np.asarray(aux, np.float64)[:, :k]
+    dh = np.asarray(dz, np.float64) @ np.asarray(w, np.float64).T
+    t = np.sqrt(2 / np.pi) * (z + 0.044715 * z**3)
+    dgelu = 0.5 * (1 + np.tanh(t)) + 0.5 * z * (1 - np.tanh(t) ** 2) * np.sqrt(2 / np.pi) * (1 + 3 * 0.044715 * z**2)
+    tol = TOL["tf32" if aux_dtype == "float32" else aux_dtype] * 2
+    _assert_close(got, nv, tol)
+    _assert_close(got, dh * dgelu, tol)

@@ -1,0 +1,390 @@
+"""fused_mlp: values and gradients against a float64 reference, the DGELU input-gradient
+primitive, transformations, errors and the Flax layer.
+
+On a CPU every primitive runs its reference math; on a GPU the same tests run cuBLASLt's
+kernels (the forward epilogs and the DGELU input-gradient GEMM), so this file doubles as a
+GPU test.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import ON_GPU, act_fn, assert_near, np_dtype
+from jax.test_util import check_grads
+
+from jax_epilog import fused_dense, fused_mlp
+from jax_epilog._epilogs import ComputeType, aux_padded_width
+from jax_epilog._primitive import fused_gelu_input_grad
+
+DTYPES = ["float16", "bfloat16", "float32", "float64"]
+IMPLEMENTATIONS = ["auto", "cublaslt", "xla"]
+# Activation patterns: a GELU feeding a layer (what fused_mlp fuses) in several places.
+PATTERNS = [("gelu", None), ("gelu", "gelu", "relu"), ("relu", "gelu", None), (None, "gelu", "gelu")]
+# (x shape, widths): sizes that are no multiple of 8, leading dims, M = 1, a width of 1.
+SHAPES = [((33, 20), (45, 7, 13)), ((2, 3, 17), (9, 31, 5)), ((1, 6), (11, 1, 4))]
+# Largest error relative to the reference's largest entry. Half dtypes round every layer's
+# output (and each backward step) to the dtype; two or three layers compound that.
+TOL = {"float16": 1e-2, "bfloat16": 6e-2, "float32": 5e-3 if ON_GPU else 3e-5, "float64": 1e-12}
+CT = ComputeType.COMPUTE_32F
+
+
+def _gelu(z):
+    return 0.5 * z * (1 + jnp.tanh(np.sqrt(2 / np.pi) * (z + 0.044715 * z**3)))
+
+
+def reference_mlp(x, layers, activations):
+    """The stack in float64 (x64 arrays via NumPy-free jnp ops under enable_x64)."""
+    h = x
+    for (w, b), act in zip(layers, activations):
+        z = h @ w + (0.0 if b is None else b)
+        h = z if act is None else (jnp.maximum(z, 0) if act == "relu" else _gelu(z))
+    return h
+
+
+def _to64(tree):
+    return jax.tree.map(lambda a: None if a is None else np.asarray(a, np.float64), tree)
+
+
+def draw(rng, x_shape, widths, dtype, activations, *, bias=True, bias_dtype=None, margin=0.02):
+    """Random x, kernels ~ N(0, 1/K) and biases in ``dtype``; rows of x are redrawn until
+    no ReLU pre-activation (float64, from the cast values) lies within ``margin`` of the
+    kink, where rounding could flip the derivative. Returns (x, [(w, b), ...])."""
+    k, layers = x_shape[-1], []
+    for n in widths:
+        w = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(np_dtype(dtype))
+        b = rng.standard_normal(n).astype(np_dtype(bias_dtype or dtype)) if bias else None
+        layers.append((w, b))
+        k = n
+    x = rng.standard_normal(x_shape).astype(np_dtype(dtype)).reshape(-1, x_shape[-1])
+    for _ in range(500):
+        h, bad = np.asarray(x, np.float64), np.zeros(len(x), bool)
+        for (w, b), act in zip(_to64(layers), activations):
+            z = h @ w + (0.0 if b is None else b)
+            if act == "relu":
+                bad |= (np.abs(z) < margin).any(axis=-1)
+            h = z if act is None else (np.maximum(z, 0) if act == "relu" else np.asarray(_gelu(z)))
+        if not bad.any():
+            return x.reshape(x_shape), layers
+        x[bad] = rng.standard_normal((int(bad.sum()), x.shape[-1])).astype(x.dtype)
+    raise AssertionError("could not draw inputs clear of the ReLU kink")
+
+
+def _as_jnp(x, layers):
+    return jnp.asarray(x), [(jnp.asarray(w), None if b is None else jnp.asarray(b)) for w, b in layers]
+
+
+# --------------------------------------------------------------------------------- values
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("activations", PATTERNS, ids=lambda acts: "-".join(map(str, acts)))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_forward_matches_float64_reference(rng, dtype, activations, implementation):
+    x_shape, widths = SHAPES[len(activations) % len(SHAPES)]
+    x, layers = draw(rng, x_shape, widths[: len(activations)], dtype, activations)
+    y = jax.jit(functools.partial(fused_mlp, activations=activations, implementation=implementation))(
+        *_as_jnp(x, layers)
+    )
+    assert y.shape == (*x_shape[:-1], widths[len(activations) - 1]) and y.dtype == x.dtype
+    with jax.enable_x64():
+        expected = reference_mlp(*_to64((x, layers)), activations)
+    assert_near(y, expected, TOL[dtype], "y")
+
+
+@pytest.mark.parametrize("implementation", ["auto", "cublaslt"])
+def test_forward_is_the_stack_of_fused_dense_calls(rng, implementation):
+    activations = ("gelu", "relu", "gelu", None)
+    x, layers = draw(rng, (40, 24), (72, 16, 33, 8), "bfloat16", activations)
+    x, layers = _as_jnp(x, layers)
+    stacked = x
+    for (w, b), act in zip(layers, activations):
+        stacked = fused_dense(stacked, w, b, activation=act, implementation=implementation)
+    np.testing.assert_array_equal(fused_mlp(x, layers, activations, implementation=implementation), stacked)
+
+
+# ------------------------------------------------------------------------------ gradients
+
+
+def _grads(f, x, layers, dy):
+    _, vjp = jax.vjp(f, x, layers)
+    return vjp(dy)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("activations", PATTERNS, ids=lambda acts: "-".join(map(str, acts)))
+@pytest.mark.parametrize(
+    "dtype,bias_dtype",
+    [("float16", None), ("bfloat16", None), ("bfloat16", "float32"), ("float32", None), ("float64", None)],
+    ids=["float16", "bfloat16", "bfloat16-f32bias", "float32", "float64"],
+)
+def test_gradients_match_float64_reference_vjp(rng, dtype, bias_dtype, activations, implementation):
+    x_shape, widths = SHAPES[len(activations) % len(SHAPES)]
+    x, layers = draw(rng, x_shape, widths[: len(activations)], dtype, activations, bias_dtype=bias_dtype)
+    out_shape = (*x_shape[:-1], widths[len(activations) - 1])
+    dy = rng.standard_normal(out_shape).astype(np_dtype(dtype))
+    f = jax.jit(functools.partial(fused_mlp, activations=activations, implementation=implementation))
+    dx, dlayers = _grads(f, *_as_jnp(x, layers), jnp.asarray(dy))
+    with jax.enable_x64():
+        ref_dx, ref_dlayers = _grads(
+            functools.partial(reference_mlp, activations=activations),
+            *_to64((x, layers)),
+            dy.astype(np.float64),
+        )
+    tol = TOL[dtype]
+    assert dx.dtype == x.dtype
+    assert_near(dx, ref_dx, tol, "dx")
+    for i, ((dw, db), (rw, rb), (w, b)) in enumerate(zip(dlayers, ref_dlayers, layers)):
+        assert dw.dtype == w.dtype and db.dtype == b.dtype, (i, dw.dtype, db.dtype)
+        assert_near(dw, rw, tol, f"dkernel {i}")
+        assert_near(db, rb, tol, f"dbias {i}")
+
+
+@pytest.mark.parametrize("implementation", ["auto", "cublaslt"])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_check_grads_reverse_mode(rng, dtype, implementation):
+    activations = ("relu", "gelu", None)
+    # Finite-difference steps of ~1e-2 (float32): keep ReLU's kink further away.
+    x, layers = draw(rng, (5, 6), (9, 7, 4), dtype, activations, margin=0.1)
+    f = functools.partial(fused_mlp, activations=activations, implementation=implementation)
+    tol = 2e-2 if dtype == "float32" else 1e-5
+    check_grads(f, _as_jnp(x, layers), order=1, modes=("rev",), atol=tol, rtol=tol)
+
+
+def _ops(f, *args) -> str:
+    return str(jax.make_jaxpr(f)(*args))
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_a_gelu_feeding_a_layer_is_differentiated_in_that_layers_gemm(rng, implementation):
+    x, layers = _as_jnp(*draw(rng, (16, 8), (24, 8), "bfloat16", ("gelu", None)))
+    grad = jax.grad(
+        lambda x, layers: jnp.sum(fused_mlp(x, layers, ("gelu", None), implementation=implementation))
+    )
+    fused = "jax_epilog_fused_gelu_input_grad" in _ops(grad, x, layers)
+    assert fused == (implementation != "xla")
+
+
+def test_without_a_gelu_feeding_a_layer_it_is_the_stack_of_fused_dense_calls(rng):
+    activations = ("relu", None, "gelu")  # the GELU is last: nothing to fuse across layers
+    x, layers = _as_jnp(*draw(rng, (12, 10), (14, 6, 9), "float32", activations))
+
+    def loss(f, x, layers):
+        return jnp.sum(jnp.sin(f(x, layers)))
+
+    def stacked(x, layers):
+        for (w, b), act in zip(layers, activations):
+            x = fused_dense(x, w, b, activation=act)
+        return x
+
+    mlp = functools.partial(fused_mlp, activations=activations)
+    assert "jax_epilog_fused_gelu_input_grad" not in _ops(jax.grad(functools.partial(loss, mlp)), x, layers)
+    got = jax.grad(functools.partial(loss, mlp), argnums=(0, 1))(x, layers)
+    want = jax.grad(functools.partial(loss, stacked), argnums=(0, 1))(x, layers)
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+    # and forward mode works where fused_dense's does ("auto" runs XLA's expression here)
+    jax.jvp(lambda x: mlp(x, layers), (x,), (x,))
+
+
+def test_forward_mode_with_a_fused_link_raises(rng):
+    x, layers = _as_jnp(*draw(rng, (4, 3), (5, 2), "float32", ("gelu", None)))
+    with pytest.raises(TypeError, match="can't apply forward-mode autodiff"):
+        jax.jvp(lambda x: fused_mlp(x, layers, ("gelu", None)), (x,), (x,))
+
+
+def test_no_bias_layers_get_no_bias_gradient(rng):
+    activations = ("gelu", "gelu")
+    x, layers = _as_jnp(*draw(rng, (7, 5), (6, 3), "float32", activations, bias=False))
+    dlayers = jax.grad(lambda layers: jnp.sum(fused_mlp(x, layers, activations)))(layers)
+    assert all(db is None for _, db in dlayers)
+    with jax.enable_x64():
+        _, ref = _grads(
+            functools.partial(reference_mlp, activations=activations), *_to64((x, layers)), np.ones((7, 3))
+        )
+    for (dw, _), (rw, _) in zip(dlayers, ref):
+        assert_near(dw, rw, TOL["float32"], "dkernel")
+
+
+def test_zero_rows(rng):
+    x, layers = _as_jnp(*draw(rng, (0, 5), (6, 3), "float32", ("gelu", None)))
+    y = fused_mlp(x, layers, ("gelu", None))
+    assert y.shape == (0, 3)
+    dlayers = jax.grad(lambda layers: jnp.sum(fused_mlp(x, layers, ("gelu", None))))(layers)
+    for (dw, db), (w, b) in zip(dlayers, layers):
+        np.testing.assert_array_equal(dw, np.zeros(w.shape))
+        np.testing.assert_array_equal(db, np.zeros(b.shape))
+
+
+# ---------------------------------------------------------------------- transformations
+
+
+def test_vmap_shared_and_batched_weights_and_vmap_of_grad(rng):
+    activations = ("gelu", None)
+    xs, layers = _as_jnp(*draw(rng, (3, 10, 6), (12, 5), "float32", activations))
+    f = functools.partial(fused_mlp, activations=activations)
+    loop = jnp.stack([f(x, layers) for x in xs])
+    np.testing.assert_allclose(jax.vmap(f, in_axes=(0, None))(xs, layers), loop, rtol=1e-6, atol=1e-6)
+
+    members = [_as_jnp(*draw(rng, (10, 6), (12, 5), "float32", activations))[1] for _ in range(3)]
+    ensemble = jax.tree.map(lambda *a: jnp.stack(a), *members)
+    got = jax.vmap(f)(xs, ensemble)
+    want = jnp.stack([f(x, member) for x, member in zip(xs, members)])
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+    loss = lambda x, layers: jnp.sum(jnp.sin(f(x, layers)))
+    got = jax.vmap(jax.grad(loss, argnums=(0, 1)), in_axes=(0, None))(xs, layers)
+    want = [jax.grad(loss, argnums=(0, 1))(x, layers) for x in xs]
+    want = jax.tree.map(lambda *a: jnp.stack(a), *want)
+    jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-6), got, want)
+
+
+@pytest.mark.parametrize(
+    "policy", [None, jax.checkpoint_policies.everything_saveable], ids=["recompute", "save"]
+)
+def test_remat_and_nested_jit(rng, policy):
+    activations = ("gelu", "relu", None)
+    x, layers = _as_jnp(*draw(rng, (9, 7), (13, 8, 3), "float32", activations))
+    f = functools.partial(fused_mlp, activations=activations)
+    loss = lambda x, layers: jnp.sum(jnp.sin(jax.jit(f)(x, layers)))
+    want = jax.grad(loss, argnums=(0, 1))(x, layers)
+    got = jax.jit(jax.grad(jax.checkpoint(loss, policy=policy), argnums=(0, 1)))(x, layers)
+    jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-6, atol=1e-6), got, want)
+
+
+# ------------------------------------------------------- the DGELU input-gradient primitive
+
+
+@pytest.mark.parametrize(
+    "dtype,aux_dtype",
+    [("float16", "float16"), ("bfloat16", "bfloat16"), ("bfloat16", "float32"), ("float32", "float32")],
+)
+@pytest.mark.parametrize("m,n,k", [(33, 65, 37), (8, 16, 24), (1, 3, 1), (5, 1, 9)], ids=str)
+def test_gelu_input_grad_primitive(rng, dtype, aux_dtype, m, n, k):
+    """(dz @ kernel.T) * gelu'(z) with z from a padded GELU aux whose padding is NaN (the
+    kernel must read only the first k columns)."""
+    dz = rng.standard_normal((m, n)).astype(np_dtype(dtype))
+    w = (rng.standard_normal((k, n)) / np.sqrt(n)).astype(np_dtype(dtype))
+    z = rng.standard_normal((m, k)).astype(np_dtype(aux_dtype))
+    aux = np.full((m, aux_padded_width("gelu", k)), np.nan, np_dtype(aux_dtype))
+    aux[:, :k] = z
+    (got,) = jax.jit(functools.partial(fused_gelu_input_grad, compute_type=CT))(dz, w, aux)
+    assert got.shape == (m, k) and got.dtype == np.dtype(np_dtype(aux_dtype))
+    with jax.enable_x64():
+        dh = np.asarray(dz, np.float64) @ np.asarray(w, np.float64).T
+        expected = jax.vjp(_gelu, jnp.asarray(z, np.float64))[1](jnp.asarray(dh))[0]
+    assert_near(
+        got, expected, {"float16": 4e-3, "bfloat16": 2e-2, "float32": 5e-3 if ON_GPU else 1e-5}[aux_dtype]
+    )
+
+
+# ---------------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    "layers_fn,activations,error,match",
+    [
+        (lambda w1, b1, w2, b2: [(w1, b1), (w2, b2)], "gelu", TypeError, "activations must be a sequence"),
+        (lambda w1, b1, w2, b2: [(w1, b1), (w2, b2)], ["gelu"], ValueError, "2 layers and 1 activations"),
+        (lambda w1, b1, w2, b2: [], [], ValueError, "at least one layer"),
+        (lambda w1, b1, w2, b2: [w1, w2], ["gelu", None], TypeError, r"\(kernel, bias\) pairs"),
+        (lambda w1, b1, w2, b2: [(w1, b1), (w1, b1)], ["gelu", None], ValueError,
+         r"layer 1: layer 0's output's last dimension 7 .* must equal kernel's first dimension K=5"),
+        (lambda w1, b1, w2, b2: [(w1, b1), (w2, b1)], ["gelu", None], ValueError,
+         r"layer 1: bias must have shape \(N,\) = \(3,\)"),
+        (lambda w1, b1, w2, b2: [(w1, b1), (w2, b2)], ["gelu", "swish"], ValueError,
+         "layer 1: unknown activation 'swish'"),
+        (lambda w1, b1, w2, b2: [(w1, b1), (w2.astype(jnp.float16), b2)], ["gelu", None], TypeError,
+         "layer 1: kernel dtype float16 differs from layer 0's output dtype float32"),
+    ],
+    ids=["activation-string", "lengths", "empty", "not-pairs", "k-mismatch", "bias-shape", "activation", "dtype"],
+)  # fmt: skip
+def test_bad_arguments_raise_naming_the_layer(rng, layers_fn, activations, error, match):
+    x = jnp.asarray(rng.standard_normal((4, 5)), jnp.float32)
+    w1, b1 = (
+        jnp.asarray(rng.standard_normal((5, 7)), jnp.float32),
+        jnp.asarray(rng.standard_normal(7), jnp.float32),
+    )
+    w2, b2 = (
+        jnp.asarray(rng.standard_normal((7, 3)), jnp.float32),
+        jnp.asarray(rng.standard_normal(3), jnp.float32),
+    )
+    with pytest.raises(error, match=match):
+        fused_mlp(x, layers_fn(w1, b1, w2, b2), activations)
+
+
+def test_bad_implementation_and_compute_type_raise(rng):
+    x = jnp.asarray(rng.standard_normal((4, 5)), jnp.bfloat16)
+    layers = [(jnp.asarray(rng.standard_normal((5, 3)), jnp.bfloat16), None)]
+    with pytest.raises(ValueError, match="fused_mlp: layer 0: unknown implementation 'fast'"):
+        fused_mlp(x, layers, ["gelu"], implementation="fast")
+    with pytest.raises(
+        ValueError, match="fused_mlp: layer 0: compute_type COMPUTE_32F_FAST_TF32 cannot run bfloat16"
+    ):
+        fused_mlp(x, layers, ["gelu"], compute_type="COMPUTE_32F_FAST_TF32")
+    with pytest.raises(TypeError, match="fused_mlp: x must be a JAX or NumPy array"):
+        fused_mlp([[1.0]], layers, ["gelu"])
+
+
+# ------------------------------------------------------------------------------ Flax Linen
+
+
+def test_linen_fused_mlp_is_two_fused_dense_layers_with_those_names(rng):
+    nn = pytest.importorskip("flax.linen")
+    from jax_epilog.linen import FusedDense, FusedMLP
+
+    class Two(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = FusedDense(40, activation="gelu", name="fc_in", dtype=jnp.bfloat16)(x)
+            return FusedDense(12, name="fc_out", dtype=jnp.bfloat16)(x)
+
+    mlp = FusedMLP((40, 12), ("gelu", None), layer_names=("fc_in", "fc_out"), dtype=jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((3, 7, 16)), jnp.float32)
+    key = jax.random.key(int(rng.integers(2**31)))
+    params = Two().init(key, x)
+    jax.tree.map(np.testing.assert_array_equal, mlp.init(key, x), params)
+    params = jax.tree.map(lambda p: p + jnp.asarray(rng.standard_normal(p.shape), p.dtype), params)
+    np.testing.assert_array_equal(mlp.apply(params, x), Two().apply(params, x))
+    grads = jax.grad(lambda p: jnp.sum(mlp.apply(p, x).astype(jnp.float32) ** 2))(params)
+    twin = jax.grad(lambda p: jnp.sum(Two().apply(p, x).astype(jnp.float32) ** 2))(params)
+    jax.tree.map(lambda g, t: assert_near(g, t, 6e-2), grads, twin)
+    assert set(FusedMLP((4, 2), ("gelu", None)).init(key, x)["params"]) == {"layers_0", "layers_1"}
+    with pytest.raises(ValueError, match="FusedMLP: 1 layer_names for 2 layers"):
+        FusedMLP((4, 2), ("gelu", None), layer_names=("a",)).init(key, x)
+
+
+def test_nnx_fused_mlp_is_fused_linear_layers_built_in_turn(rng):
+    pytest.importorskip("flax")
+    from flax import nnx
+
+    from jax_epilog.nnx import FusedLinear, FusedMLP
+
+    seed = int(rng.integers(2**31))
+    mlp = FusedMLP((16, 40, 12), ("gelu", None), dtype=jnp.bfloat16, rngs=nnx.Rngs(seed))
+    rngs = nnx.Rngs(seed)
+    first = FusedLinear(16, 40, activation="gelu", dtype=jnp.bfloat16, rngs=rngs)
+    second = FusedLinear(40, 12, dtype=jnp.bfloat16, rngs=rngs)
+    for layer, twin in zip(mlp.layers, (first, second)):
+        np.testing.assert_array_equal(layer.kernel[...], twin.kernel[...])
+        layer.bias[...] = twin.bias[...] = jnp.asarray(rng.standard_normal(twin.bias.shape), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((3, 5, 16)), jnp.float32)
+    np.testing.assert_array_equal(mlp(x), second(first(x)))
+    grads = nnx.grad(lambda m: jnp.sum(m(x).astype(jnp.float32) ** 2))(mlp)
+    twin = nnx.grad(lambda a, b: jnp.sum(b(a(x)).astype(jnp.float32) ** 2), argnums=(0, 1))(first, second)
+    grads = nnx.to_pure_dict(grads)["layers"]
+    for i, t in enumerate(twin):
+        t = nnx.to_pure_dict(t)
+        assert_near(grads[i]["kernel"], t["kernel"], 6e-2)
+        assert_near(grads[i]["bias"], t["bias"], 6e-2)
+    with pytest.raises(ValueError, match=r"FusedMLP: features \(16, 4\) must hold the input width"):
+        FusedMLP((16, 4), ("gelu", None), rngs=nnx.Rngs(0))
+
+
+def test_act_fn_helper_agrees_with_reference_gelu():
+    # the reference's GELU here is the tanh approximation, as cuBLASLt's and jax.nn.gelu's
+    z = jnp.linspace(-4, 4, 17)
+    np.testing.assert_allclose(_gelu(z), act_fn("gelu")(z), rtol=1e-6, atol=1e-7)

@@ -12,8 +12,8 @@ MLP rows time the same for a transformer MLP block ``gelu(x @ w1 + b1) @ w2 + b2
 4D → D, bf16) with ``loss = sum(y**2) / 2`` (so the output's cotangent is a real array, as in
 training): XLA's jit of the plain expression, two ``fused_dense`` calls ("auto") and
 ``fused_mlp`` ("auto" and "cublaslt"), interleaved; TF/s counts 12 * M * D * 4D flops.
-The example rows run ``examples/train_transformer_mlp.py --size large`` in this process,
-once per implementation ("auto", "cublaslt"), and record its median step time (each step
+The example rows run ``examples/train_transformer_mlp.py --size large`` in this process
+(with its default ``--implementation auto``) and record its median step time (each step
 synchronised) for every layer type.
 """
 
@@ -103,13 +103,13 @@ def bench_mlp(rows):
         print(json.dumps(row), flush=True)
 
 
-def bench_example(rows, size="large"):
+def bench_example(rows, size="large", implementations=("auto",)):
     path = Path(__file__).resolve().parent.parent / "examples" / "train_transformer_mlp.py"
     spec = importlib.util.spec_from_file_location("train_transformer_mlp", path)
     example = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = example  # flax's dataclasses look their module up
     spec.loader.exec_module(example)
-    for implementation in ("auto", "cublaslt"):
+    for implementation in implementations:
         calls0 = _ffi.handler_stats()[0]
         with warnings.catch_warnings():
             warnings.simplefilter("error", FastPathWarning)  # the fused path, or no numbers

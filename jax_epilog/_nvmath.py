@@ -273,6 +273,12 @@ class Plan:
         if autotune:
             self.tuning = self._time_candidates(heuristic)
             best = int(np.argmin(self.tuning))
+            if not np.isfinite(self.tuning[best]):
+                # e.g. one-row problems with a float32 D beside half operands, or DGELU, on
+                # the H200 (cuBLASLt 13.1): planned, then refused at every launch (measured)
+                raise PlanningError(
+                    f"cuBLASLt refused to run each of its {len(heuristic)} algorithms for {spec}"
+                )
         # cuBLASLt reads the algorithm struct at every call: keep the object that owns it
         # (as nvmath does with its cached_best_algorithm_struct).
         self._algo_struct = heuristic[best]["algo"]

@@ -150,7 +150,11 @@ def _cuda_lowering(ctx, x, kernel, *bias, activation, with_aux, compute_type, d_
     x_aval, k_aval = ctx.avals_in[:2]
     b_aval = ctx.avals_in[2] if bias else None
     spec = None
-    if np.dtype(x_aval.dtype) != np.float64 and 0 not in (*x_aval.shape, k_aval.shape[1]):
+    # One row with a float32 D beside half operands (a float32 bias): cuBLASLt 13.1 plans it,
+    # then refuses every launch (CUBLAS_STATUS_INVALID_VALUE, measured on the H200), so XLA
+    # computes it.
+    one_row_f32_d = x_aval.shape[0] == 1 and np.dtype(d_dtype) != np.dtype(x_aval.dtype)
+    if np.dtype(x_aval.dtype) != np.float64 and 0 not in (*x_aval.shape, k_aval.shape[1]) and not one_row_f32_d:
         spec = spec_of(x_aval, k_aval, b_aval, activation, with_aux, compute_type, d_dtype)
 
     def fused(x, kernel, *bias):
@@ -283,8 +287,10 @@ def _igrad_cuda_lowering(ctx, dz, kernel, aux, *, compute_type):
     dz_aval, k_aval, aux_aval = ctx.avals_in
     (m, n), k = dz_aval.shape, k_aval.shape[0]
     spec = None
-    # n = 1 is a GEMM with an inner dimension of 1, which nvmath refuses for DGELU epilogs.
-    if np.dtype(dz_aval.dtype) != np.float64 and 0 not in (m, k, n) and n != 1:
+    # n = 1 is a GEMM with an inner dimension of 1, which nvmath refuses for DGELU epilogs;
+    # m = 1 (one row) cuBLASLt 13.1 plans, then refuses at every launch (measured on the
+    # H200). XLA computes both.
+    if np.dtype(dz_aval.dtype) != np.float64 and 0 not in (m, k, n) and n != 1 and m != 1:
         spec = EpilogSpec(
             m=int(m), n=int(n), k=int(k), epilog="DGELU",
             compute_type=ComputeType(compute_type).name, ab_dtype=np.dtype(dz_aval.dtype).name,

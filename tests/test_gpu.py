@@ -365,3 +365,15 @@ def test_gelu_input_grad_matches_nvmath_dgelu_directly(rng, dtype, aux_dtype):
     tol = TOL["tf32" if aux_dtype == "float32" else aux_dtype] * 2
     _assert_close(got, nv, tol)
     _assert_close(got, dh * dgelu, tol)
+
+
+def test_a_problem_cublaslt_plans_but_never_runs_is_refused_at_planning():
+    """One row, half operands, float32 D (a float32 bias): planned by cuBLASLt 13.1, then
+    every algorithm fails to launch (measured). The tuner's failures make it a PlanningError,
+    so lowering falls back (the primitive also routes this case to XLA up front)."""
+    from jax_epilog import _nvmath
+    from jax_epilog._epilogs import EpilogSpec
+
+    spec = EpilogSpec(1, 11, 6, "GELU_AUX_BIAS", "COMPUTE_32F", "bfloat16", "float32", "float32")
+    with pytest.raises(_nvmath.PlanningError, match="refused to run each of its"):
+        _nvmath.Plan(spec, _nvmath.current_device(), 256, autotune=True)

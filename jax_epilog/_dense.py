@@ -163,8 +163,10 @@ def fused_dense(
     with the sum in float32: the GEMM writes a float32 D with the epilog fused (cuBLASLt
     refuses a float32 bias beside a half D) and XLA casts it; the GELU aux is then float32.
 
-    float64 runs on XLA's path everywhere (cuBLASLt has no float64 epilogs), as does a
-    problem with an empty dimension or one cuBLASLt refuses (a warning says so, once).
+    float64 runs on XLA's path everywhere (cuBLASLt has no float64 epilogs), as do a
+    problem with an empty dimension, a single row with a float32 bias beside half operands
+    (cuBLASLt 13.1 plans it but fails every launch: measured on the H200), and a problem
+    cuBLASLt refuses at planning or tuning (a warning says so, once).
     Raises TypeError/ValueError at trace time for anything else it cannot compute.
 
     Differentiation: reverse mode (``jax.grad``, ``jax.vjp``) in ``x``, ``kernel`` and

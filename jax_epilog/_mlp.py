@@ -38,6 +38,11 @@ from ._primitive import fused_gelu_input_grad, fused_matmul, fused_weight_grad
 __all__ = ["fused_mlp"]
 
 _OWNER = "fused_mlp"
+# "auto" links layers (DGELU) from this many rows: an MLP block's fwd+bwd measured 1.06-1.09x
+# XLA at 8192x1024->4096->1024 (four runs) and 0.99-1.00x at 8192x4096->16384->4096, but
+# 0.90-0.96x at 2048, 1000, 512 and 256 rows (benchmarks/README.md, H200, bf16); below it
+# "auto" is the stack of fused_dense calls, which is XLA's expression at those sizes.
+_AUTO_LINK_MIN_ROWS = 8192
 
 
 def fused_mlp(
@@ -64,8 +69,9 @@ def fused_mlp(
       (..., N_last) array in ``x``'s dtype.
 
     The value equals stacking ``fused_dense`` calls with the same arguments, and so does
-    the gradient, except where a GELU layer feeds another layer (and the implementation is
-    not ``"xla"``): there the backward forms the GELU layer's ``dz`` in the next layer's
+    the gradient, except where a GELU layer feeds another layer with ``"cublaslt"``, or
+    with ``"auto"`` on 8192 rows or more (where it measured faster than XLA; fewer rows
+    measured 0.90-0.96x): there the backward forms the GELU layer's ``dz`` in the next layer's
     input-gradient GEMM, with cuBLASLt's DGELU epilog on a GPU (the reference math of that
     GEMM elsewhere). The product then meets ``gelu'(z)`` in float32 before rounding once,
     where separate calls round it to x's dtype first. Forward passes follow ``fused_dense``'s
@@ -76,9 +82,10 @@ def fused_mlp(
     the aux mask, or with ``"auto"`` from ``h_{i+1} > 0``, the same except where a
     positive z rounds to zero in x's dtype.
 
-    Without a GELU layer before the last one there is nothing to fuse across layers and
-    ``fused_mlp`` is exactly the stack of ``fused_dense`` calls (forward mode then works
-    where ``fused_dense``'s does). Otherwise it is a ``jax.custom_vjp``: reverse mode only.
+    Without such a link (no GELU layer before the last one, ``"xla"``, float64, or
+    ``"auto"`` on fewer rows) ``fused_mlp`` is exactly the stack of ``fused_dense`` calls
+    (forward mode then works where ``fused_dense``'s does). With one it is a
+    ``jax.custom_vjp``: reverse mode only.
     Raises TypeError/ValueError at trace time, naming the layer, for anything
     ``fused_dense`` would refuse and for ``layers``/``activations`` that do not pair up.
     """
@@ -95,14 +102,15 @@ def fused_mlp(
         checked.append((act, ct, f32_bias))
         shape = (*shape[:-1], kernel.shape[1])
 
+    lead, m = x.shape[:-1], math.prod(x.shape[:-1])
     gelu_feeds_a_layer = any(act is Activation.GELU for act, _, _ in checked[:-1])
-    if impl == "xla" or dtype == "float64" or not gelu_feeds_a_layer:
+    link = gelu_feeds_a_layer and (impl == "cublaslt" or (impl == "auto" and m >= _AUTO_LINK_MIN_ROWS))
+    if dtype == "float64" or not link:
         h = x
         for (kernel, bias), act in zip(layers, activations):
             h = fused_dense(h, kernel, bias, activation=act, compute_type=compute_type, implementation=impl)
         return h
 
-    lead, m = x.shape[:-1], math.prod(x.shape[:-1])
     configs = []
     k = x.shape[-1]
     for (kernel, bias), (act, ct, f32_bias) in zip(layers, checked):

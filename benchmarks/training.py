@@ -35,7 +35,7 @@ from jax_epilog import FastPathWarning, _ffi, fused_dense, fused_mlp
 
 GRAD_SHAPES = [(8192, 1024, 4096), (8192, 4096, 16384), (8192, 4096, 1024)]
 # (M, D): M×D -> 4D -> D; the transformer example's block, a large one, and fewer rows
-# (odd 1000 included) around "auto"'s 1024-row threshold.
+# (1000: not a multiple of 8), which set fused_mlp's "auto" rule (link from 8192 rows).
 MLP_SHAPES = [(8192, 1024), (8192, 4096), (2048, 1024), (1000, 1024), (512, 2048), (256, 1024), (128, 1024)]
 MLP_CONTENDERS = ("xla", "fused_dense", "fused_mlp", "fused_mlp_cublaslt")
 

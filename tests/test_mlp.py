@@ -128,6 +128,11 @@ def test_gradients_match_float64_reference_vjp(rng, dtype, bias_dtype, activatio
     out_shape = (*x_shape[:-1], widths[len(activations) - 1])
     dy = rng.standard_normal(out_shape).astype(np_dtype(dtype))
     f = jax.jit(functools.partial(fused_mlp, activations=activations, implementation=implementation))
+    _assert_grads_match_reference(f, x, layers, dy, activations, TOL[dtype])
+
+
+def _assert_grads_match_reference(f, x, layers, dy, activations, tol):
+    """f's VJP at (x, layers) for cotangent dy against the float64 reference's, dtypes included."""
     dx, dlayers = _grads(f, *_as_jnp(x, layers), jnp.asarray(dy))
     with jax.enable_x64():
         ref_dx, ref_dlayers = _grads(
@@ -135,7 +140,6 @@ def test_gradients_match_float64_reference_vjp(rng, dtype, bias_dtype, activatio
             *_to64((x, layers)),
             dy.astype(np.float64),
         )
-    tol = TOL[dtype]
     assert dx.dtype == x.dtype
     assert_near(dx, ref_dx, tol, "dx")
     for i, ((dw, db), (rw, rb), (w, b)) in enumerate(zip(dlayers, ref_dlayers, layers)):
@@ -182,18 +186,7 @@ def test_auto_link_on_many_rows_matches_float64_reference_vjp(rng, dtype):
     assert "jax_epilog_fused_gelu_input_grad" in _ops(
         jax.grad(lambda x, layers: jnp.sum(f(x, layers))), *_as_jnp(x, layers)
     )
-    dx, dlayers = _grads(f, *_as_jnp(x, layers), jnp.asarray(dy))
-    with jax.enable_x64():
-        ref_dx, ref_dlayers = _grads(
-            functools.partial(reference_mlp, activations=activations),
-            *_to64((x, layers)),
-            dy.astype(np.float64),
-        )
-    tol = TOL[dtype]
-    assert_near(dx, ref_dx, tol, "dx")
-    for i, ((dw, db), (rw, rb)) in enumerate(zip(dlayers, ref_dlayers)):
-        assert_near(dw, rw, tol, f"dkernel {i}")
-        assert_near(db, rb, tol, f"dbias {i}")
+    _assert_grads_match_reference(f, x, layers, dy, activations, TOL[dtype])
 
 
 def test_without_a_gelu_feeding_a_layer_it_is_the_stack_of_fused_dense_calls(rng):

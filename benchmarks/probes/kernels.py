@@ -15,7 +15,8 @@ equal and above the GPU's busy time, the program is bound by its host cost.
 Cases: fwd+bwd ``jax.grad`` of ``sum(act(x @ w + b))`` at 8192x1024->4096 bf16 for XLA's
 plain expression, ``fused_dense(implementation="cublaslt")`` and the fused forward with
 XLA's backward (benchmarks.backward_variants); 16-layer chains at 256x1024->1024 with the
-weights stacked or per layer (benchmarks.chain_layout), fused and XLA. Writes
+weights stacked or per layer (benchmarks.chain_layout), fused and XLA; the MLP block of
+``benchmarks.training --part mlp`` at 8192 and 2048 rows, XLA and ``fused_mlp`` linked. Writes
 kernels.json, kernels.md and the raw traces (traces/) into OUT_DIR.
 """
 
@@ -39,7 +40,7 @@ import numpy as np
 from benchmarks.backward_variants import LOSSES
 from benchmarks.backward_variants import layers as grad_layers
 from benchmarks.forward import activation_fn, chain, feedback, write_results
-from benchmarks.training import layer_inputs
+from benchmarks.training import layer_inputs, mlp_block
 from jax_epilog import fused_dense
 
 STEPS = {"grad": 10, "chain": 20}
@@ -72,8 +73,21 @@ def _chain_case(activation: str, layout: str, name: str, depth: int = 16, donate
     return feedback(program, x, ws, bs), ()  # each result is the next (donated) input
 
 
+def _mlp_case(rows: int, contender: str):
+    """fwd+bwd of the MLP block gelu(x @ w1 + b1) @ w2 + b2 (benchmarks.training), D = 1024."""
+    rng = np.random.default_rng(4)
+    x, w1, b1 = layer_inputs(rows, 1024, 4096, rng)
+    _, w2, b2 = layer_inputs(rows, 4096, 1024, rng)
+    block = mlp_block(contender)
+    loss = lambda *a: 0.5 * jnp.sum(jnp.square(block(*a).astype(jnp.float32)))
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))), (x, w1, b1, w2, b2)
+
+
 def cases() -> dict:
     out = {}
+    for rows in (8192, 2048):  # where fused_mlp's DGELU link measured faster, and slower
+        for contender in ("xla", "fused_mlp_cublaslt"):
+            out[f"mlp-{rows}-{contender}"] = ("grad", partial(_mlp_case, rows, contender))
     for act in ("relu", "gelu"):
         for name in ("xla", "cublaslt", "aux+xla"):
             out[f"grad-{act}-{name}"] = ("grad", partial(_grad_case, act, name))

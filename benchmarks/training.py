@@ -83,17 +83,25 @@ def mlp_block(contender: str):
     return lambda x, w1, b1, w2, b2: fused_mlp(x, [(w1, b1), (w2, b2)], ["gelu", None], implementation=impl)
 
 
+def mlp_inputs(m: int, d: int):
+    """(x, w1, b1, w2, b2) of an M×D -> 4D -> D block, as layer_inputs draws them."""
+    rng = np.random.default_rng(4)
+    x, w1, b1 = layer_inputs(m, d, 4 * d, rng)
+    _, w2, b2 = layer_inputs(m, 4 * d, d, rng)
+    return x, w1, b1, w2, b2
+
+
+def mlp_grad_step(contender: str):
+    """jax.jit(jax.grad) in all five arrays of the block's loss sum(y**2) / 2."""
+    block = mlp_block(contender)
+    loss = lambda *a: 0.5 * jnp.sum(jnp.square(block(*a).astype(jnp.float32)))
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+
+
 def bench_mlp(rows):
     for m, d in MLP_SHAPES:
-        rng = np.random.default_rng(4)
-        x, w1, b1 = layer_inputs(m, d, 4 * d, rng)
-        _, w2, b2 = layer_inputs(m, 4 * d, d, rng)
-        args = (x, w1, b1, w2, b2)
-        steps = []
-        for contender in MLP_CONTENDERS:
-            block = mlp_block(contender)
-            loss = lambda *a, block=block: 0.5 * jnp.sum(jnp.square(block(*a).astype(jnp.float32)))
-            steps.append((jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))), args))
+        args = mlp_inputs(m, d)
+        steps = [(mlp_grad_step(contender), args) for contender in MLP_CONTENDERS]
         times = dict(zip(MLP_CONTENDERS, time_jax_interleaved(*steps)))
         flops = 12 * m * d * 4 * d
         row = dict(

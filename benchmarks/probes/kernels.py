@@ -40,7 +40,7 @@ import numpy as np
 from benchmarks.backward_variants import LOSSES
 from benchmarks.backward_variants import layers as grad_layers
 from benchmarks.forward import activation_fn, chain, feedback, write_results
-from benchmarks.training import layer_inputs, mlp_block
+from benchmarks.training import layer_inputs, mlp_grad_step, mlp_inputs
 from jax_epilog import fused_dense
 
 STEPS = {"grad": 10, "chain": 20}
@@ -75,12 +75,7 @@ def _chain_case(activation: str, layout: str, name: str, depth: int = 16, donate
 
 def _mlp_case(rows: int, contender: str):
     """fwd+bwd of the MLP block gelu(x @ w1 + b1) @ w2 + b2 (benchmarks.training), D = 1024."""
-    rng = np.random.default_rng(4)
-    x, w1, b1 = layer_inputs(rows, 1024, 4096, rng)
-    _, w2, b2 = layer_inputs(rows, 4096, 1024, rng)
-    block = mlp_block(contender)
-    loss = lambda *a: 0.5 * jnp.sum(jnp.square(block(*a).astype(jnp.float32)))
-    return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))), (x, w1, b1, w2, b2)
+    return mlp_grad_step(contender), mlp_inputs(rows, 1024)
 
 
 def cases() -> dict:

@@ -83,8 +83,11 @@ def plain(
 
 def plain_preactivation(x: jax.Array, kernel: jax.Array, bias: jax.Array | None, tf32: bool) -> jax.Array:
     """``x @ kernel + bias`` of ``plain``, before the activation (x's dtype, or float32
-    with a float32 bias)."""
-    precision = jax.lax.Precision.DEFAULT if tf32 else jax.lax.Precision.HIGHEST
+    with a float32 bias). Half dtypes keep the default precision (XLA accumulates them in
+    float32 anyway), so the program is the one users write, down to its HLO; float32 asks
+    for full precision unless ``tf32`` (XLA's default on the GPU is TF32)."""
+    full = not tf32 and np.dtype(x.dtype).itemsize >= 4
+    precision = jax.lax.Precision.HIGHEST if full else jax.lax.Precision.DEFAULT
     z = jnp.matmul(x, kernel, precision=precision)
     return z if bias is None else z + bias
 

@@ -67,6 +67,21 @@ def test_plain_expression_values_grads_and_forward_mode(rng, activation, impleme
     jax.jvp(lambda x: f(x, w, b), (x,), (x,))  # forward mode works here
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("activation", ["relu", "gelu", None])
+@pytest.mark.parametrize("implementation", ["xla", "auto"])
+def test_half_precision_plain_path_is_the_users_program(dtype, activation, implementation):
+    """Where "auto" or "xla" run XLA's expression, XLA compiles the very program users
+    write (default precision included), so the benchmarks' "auto" and "xla" rows time one
+    executable and "auto" inherits every choice XLA makes for it."""
+    act = {"relu": jax.nn.relu, "gelu": functools.partial(jax.nn.gelu, approximate=True), None: lambda z: z}
+    args = [jax.ShapeDtypeStruct(s, dtype) for s in ((37, 19), (19, 11), (11,))]
+    ours = lambda x, w, b: fused_dense(x, w, b, activation=activation, implementation=implementation)
+    users = lambda x, w, b: act[activation](x @ w + b)
+    text = [jax.jit(f).lower(*args).as_text(debug_info=False) for f in (ours, users)]  # both "jit__lambda"
+    assert text[0] == text[1]
+
+
 def test_auto_fuses_large_forward_passes_only():
     big = jax.ShapeDtypeStruct((4096, 1024), jnp.bfloat16), jax.ShapeDtypeStruct((1024, 4096), jnp.bfloat16)
     bias = jax.ShapeDtypeStruct((4096,), jnp.bfloat16)

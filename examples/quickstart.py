@@ -20,16 +20,22 @@ import numpy as np
 from jax_epilog import fused_dense
 
 
-def median_us(f, *args, repeats=7, iters=50) -> float:
-    jax.block_until_ready(f(*args))
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(iters):
+def median_us(functions, *args, repeats=7, iters=50, warmup=200) -> list[float]:
+    """Median µs per jitted call for each function, their samples taken in turns (A B A B
+    ...) after a warm-up, so that neither meets the GPU still clocking up from idle."""
+    for f in functions:
+        for _ in range(warmup):
             out = f(*args)
         jax.block_until_ready(out)
-        samples.append((time.perf_counter() - start) / iters * 1e6)
-    return statistics.median(samples)
+    samples = [[] for _ in functions]
+    for _ in range(repeats):
+        for f, times in zip(functions, samples):
+            start = time.perf_counter()
+            for _ in range(iters):
+                out = f(*args)
+            jax.block_until_ready(out)
+            times.append((time.perf_counter() - start) / iters * 1e6)
+    return [statistics.median(times) for times in samples]
 
 
 def main(argv=None) -> None:
@@ -58,8 +64,8 @@ def main(argv=None) -> None:
     print(f"y = {args.activation}(x @ W + b): x {x.shape} {x.dtype}, W {w.shape}, b {b.dtype} -> y {y.shape} {y.dtype}")
     print(f"max |y - float64 reference| = {err:.2e} (float16 output, ulp at 1.0 = {np.finfo(np.float16).eps:.1e})")
     if device.platform == "gpu":
-        t_fused, t_unfused = median_us(fused, x, w, b), median_us(unfused, x, w, b)
-        print(f"fused_dense {t_fused:.1f} µs/call, XLA unfused {t_unfused:.1f} µs/call (jitted calls, median)")
+        t_fused, t_unfused = median_us([fused, unfused], x, w, b)
+        print(f"fused_dense {t_fused:.1f} µs/call, XLA unfused {t_unfused:.1f} µs/call (jitted calls, median, timed in turns)")
 
 
 if __name__ == "__main__":

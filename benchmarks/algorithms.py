@@ -16,7 +16,11 @@ benchmarks/results/*/algorithms.txt.
 ``--tuning`` checks the autotuner itself at one shape (default 8192x4096->16384): every
 candidate it considered, with the time it measured at planning (scratch operands, best of
 2 rounds, each a CUDA graph of 5-50 launches) beside the time measured here (as above),
-and which one it chose against the fastest here.
+and which one it chose against the fastest here; then the candidates nvmath-python's own
+``Matmul.plan`` found (its preferences, not ours), timed the same way. Epilog ``DGELU`` is
+the backward's input-gradient problem (``fused_mlp``'s link): M K N name the layer whose
+input gradient it is (x (M, K) -> N), so ``--tuning 8192 4096 1024 DGELU`` is the
+transformer MLP block's second layer.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from nvmath.linalg._internal import matmul_pref_ifc
 
 from benchmarks.timing import Settings, WallClock, measure
 from jax_epilog import _nvmath
-from jax_epilog._epilogs import EpilogSpec
+from jax_epilog._epilogs import Activation, EpilogSpec, aux_padded_width
 
 SHAPES = [(8192, 1024, 4096), (8192, 4096, 1024)]
 EPILOGS = ["RELU_BIAS", "RELU_AUX_BIAS", "GELU_BIAS", "GELU_AUX_BIAS", "BGRADA", "DEFAULT_WGRAD"]
@@ -105,12 +109,22 @@ def _forward_pointers(timer, spec):
     return (buf(k * n * 2), buf(m * k * 2), buf(n * 2), buf(m * n * 2), buf(m * n * 2) if spec.has_aux else 0)
 
 
+def _dgrad_pointers(timer, spec):
+    """kernel (k, n), dz (m, n), no bias, dh (m, k), the GELU input (m, round_up(k, 8))."""
+    m, n, k, buf = spec.m, spec.n, spec.k, timer.buffer
+    width = aux_padded_width(Activation.GELU, k)
+    return (buf(k * n * 2), buf(m * n * 2), 0, buf(m * k * 2), buf(m * width * 2))
+
+
 def tuning(m, k, n, epilogs):
     timer = Timer()
     for name in epilogs:
-        spec = EpilogSpec(m, n, k, name, "COMPUTE_32F", "bfloat16", "bfloat16", "bfloat16")
+        dgrad = name == "DGELU"
+        bias = None if dgrad else "bfloat16"
+        problem = "dgrad" if dgrad else "forward"
+        spec = EpilogSpec(m, n, k, name, "COMPUTE_32F", "bfloat16", bias, "bfloat16", problem)
         tuned = _nvmath.Plan(spec, 0, 256, autotune=True)
-        ptrs = _forward_pointers(timer, spec)
+        ptrs = (_dgrad_pointers if dgrad else _forward_pointers)(timer, spec)
         records = candidates(tuned, _nvmath._CANDIDATES)
         here = [timer.time_algorithm(tuned, c, ptrs) for c in records]
         chosen = int(np.argmin(tuned.tuning))
@@ -118,6 +132,8 @@ def tuning(m, k, n, epilogs):
               f"{int(np.argmin(here))} ({min(here):.1f} µs), heuristic first {here[0]:.1f} µs", flush=True)
         for i, (planning, measured) in enumerate(zip(tuned.tuning, here)):
             print(f"  candidate {i:2d}: at planning {planning:8.1f} µs, here {measured:8.1f} µs", flush=True)
+        theirs = [timer.time_algorithm(tuned, a, ptrs) for a in tuned._mm.algorithms_buffer]
+        print(f"  nvmath's own {len(theirs)} candidates, here: " + ", ".join(f"{t:.1f}" for t in theirs), flush=True)
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.bfloat16)

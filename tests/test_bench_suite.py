@@ -491,3 +491,18 @@ def test_write_results_writes_json_and_markdown(tmp_path):
     data = json.loads((tmp_path / "new" / "x.json").read_text())
     assert data["rows"] == [{"a": 1}] and data["versions"]["jax"] == jax.__version__
     assert (tmp_path / "new" / "x.md").read_text() == "| a |\n"
+
+
+def test_small_batch_probe_times_every_contender(tmp_path, monkeypatch):
+    from benchmarks.probes import small_batch
+
+    monkeypatch.setattr(small_batch, "ROWS", (3,))
+    monkeypatch.setattr(small_batch, "WEIGHTS", ((5, 7),))
+    monkeypatch.setattr(run, "QUICK", run.SMOKE)
+    small_batch.main(["--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "small_batch.json").read_text())["rows"]
+    assert [(r["shape"], r["activation"]) for r in rows] == [("3x5->7", "relu"), ("3x5->7", "gelu")]
+    for r in rows:  # inputs rotate over enough copies to leave the L2 behind (capped at 32)
+        assert r["copies"] == 32 and all(r[c] > 0 for c in small_batch.CONTENDERS)
+    table = (tmp_path / "small_batch.md").read_text().splitlines()
+    assert table[2].startswith("| 3x5->7 | relu | ") and table[2].count("×") == 2

@@ -243,8 +243,9 @@ def _auto_fuses(activation: Activation | None, m: int, n: int, k: int) -> bool:
     by host time, and since the handler replays a captured graph (~6 µs per call instead of
     ~23) the fused call measured 0.79-1.15x XLA there over two runs, and 0.79-1.31x over 40
     small-batch cases (16-256 rows, five weight sizes: benchmarks/probes/small_batch.py),
-    without a pattern a rule could follow (0.63-0.84x before). Inside XLA's command buffers small fused layers do win
-    (16-layer chains), but an op cannot know at tracing whether XLA will capture it."""
+    without a pattern a rule could follow (0.63-0.84x before). Inside XLA's command
+    buffers small fused layers do win (16-layer chains), but an op cannot know at tracing
+    whether XLA will capture it."""
     return activation is Activation.GELU and m >= 1024 and m * n * k >= 2**33
 
 

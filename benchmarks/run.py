@@ -17,6 +17,7 @@ whole code path runs on a CPU (torch and nvmath rows then say why they were skip
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import inspect
 import json
@@ -264,25 +265,11 @@ class HandlerCountingClock(WallClock):
         return seconds
 
 
-def bench_jax_group(case: Case, names: list[str], inputs: Inputs, settings: Settings) -> list[tuple]:
-    """The JAX contenders of one case, timed interleaved: [(timing, extra)] in order."""
+def _jax_timed(case: Case, names: list[str], inputs: Inputs) -> list[tuple]:
+    """(call, clock) for each JAX contender of a case; the clocks count handler runs."""
     programs = [jax.jit(jax_program(case, name)) for name in names]
     sets = inputs.jax()
-    clocks = [HandlerCountingClock() for _ in names]
-    calls = [lambda i, p=p: p(*sets[i % len(sets)]) for p in programs]
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", FastPathWarning)
-        timings = measure_interleaved(list(zip(calls, clocks)), settings)
-    fell_back = [str(w.message) for w in caught if issubclass(w.category, FastPathWarning)]
-    results = []
-    for name, timing, clock in zip(names, timings, clocks):
-        extra = {}
-        if name.startswith("jax_epilog"):
-            extra["handler_runs"] = clock.runs
-            if fell_back and name == "jax_epilog":  # the one that always asks for the fused path
-                extra["note"] = fell_back[0]
-        results.append((timing, extra))
-    return results
+    return [(lambda i, p=p: p(*sets[i % len(sets)]), HandlerCountingClock()) for p in programs]
 
 
 def _import_torch():
@@ -308,7 +295,9 @@ def torch_program(torch, contender: str, activation: str):
     return lambda x, w, b: torch._addmm_activation(b, x, w, use_gelu=use_gelu)
 
 
-def bench_torch(case: Case, contender: str, inputs: Inputs, settings: Settings):
+@contextlib.contextmanager
+def torch_timed(case: Case, contender: str, inputs: Inputs):
+    """(call, clock) for a PyTorch contender: eager ops on torch's current stream."""
     torch = _import_torch()
     program = torch_program(torch, contender, case.activation)
     sets = inputs.torch(torch)
@@ -317,7 +306,7 @@ def bench_torch(case: Case, contender: str, inputs: Inputs, settings: Settings):
     torch.backends.cuda.matmul.allow_tf32 = case.compute_type == TF32
     try:
         with torch.no_grad():
-            return measure(lambda i: program(*sets[i % len(sets)]), clock, settings), {}
+            yield (lambda i: program(*sets[i % len(sets)])), clock
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32_before
 
@@ -325,9 +314,10 @@ def bench_torch(case: Case, contender: str, inputs: Inputs, settings: Settings):
 NVMATH_EPILOG = {"relu": "RELU_BIAS", "gelu": "GELU_BIAS", "none": "BIAS"}
 
 
-def bench_nvmath(case: Case, contender: str, inputs: Inputs, settings: Settings):
-    """nvmath's stateful Matmul, planned once per input set, execute() back to back: the
-    forward benchmark's nvmath row (forward.time_nvmath) generalised to every case."""
+@contextlib.contextmanager
+def nvmath_timed(case: Case, contender: str, inputs: Inputs):
+    """(call, clock) for nvmath's stateful Matmul, planned once per input set and executed
+    back to back: the forward benchmark's nvmath row (forward.time_nvmath) for every case."""
     try:
         import cupy as cp
         from nvmath.linalg.advanced import Matmul, MatmulComputeType, MatmulEpilog
@@ -341,13 +331,13 @@ def bench_nvmath(case: Case, contender: str, inputs: Inputs, settings: Settings)
             plans.append(Matmul(w_t, x_t, options=options))
             plans[-1].plan(epilog=epilog, epilog_inputs={"bias": b})
         clock = EventClock(cp.cuda.Event, cp.cuda.get_elapsed_time)
-        return measure(lambda i: plans[i % len(plans)].execute(), clock, settings), {}
+        yield (lambda i: plans[i % len(plans)].execute()), clock
     finally:
         for mm in plans:
             mm.free()
 
 
-BENCH = {"nvmath": bench_nvmath, **{name: bench_torch for name in TORCH}}
+BENCH = {"nvmath": nvmath_timed, **{name: torch_timed for name in TORCH}}  # not JAX: own timers
 
 
 ROW_CASE_FIELDS = ("shape", "m", "k", "n", "dtype", "bias_dtype", "compute_type", "activation", "mode")
@@ -374,21 +364,42 @@ def run_one(case: Case, contender: str, inputs: Inputs, settings: Settings) -> d
 
 
 def run_group(case: Case, names: list[str], inputs: Inputs, settings: Settings) -> list[dict]:
-    """Time contenders on one case (several only if all are JAX's: interleaved). A failure
-    becomes a row with its reason; a group that fails is retried one contender at a time,
-    so one failing contender does not take the others' rows with it."""
+    """Time contenders on one case, all of them interleaved (benchmarks/timing.py): the GPU's
+    clocks under sustained load then touch every contender alike. A contender that cannot
+    start (not importable, refused) becomes a row with its reason; a group that fails while
+    timing is retried one contender at a time, so one failure does not take the others'
+    rows with it."""
+    rows: dict[str, dict] = {}
     try:
-        if names[0] in BENCH:  # torch and nvmath: one at a time
-            (name,) = names
-            results = [BENCH[name](case, name, inputs, settings)]
-        else:
-            results = bench_jax_group(case, names, inputs, settings)
-        return [make_row(case, name, timing, **extra) for name, (timing, extra) in zip(names, results)]
+        with contextlib.ExitStack() as stack, warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", FastPathWarning)
+            jax_names = [name for name in names if name not in BENCH]
+            timed = dict(zip(jax_names, _jax_timed(case, jax_names, inputs) if jax_names else []))
+            for name in names:
+                if name in BENCH:
+                    try:
+                        timed[name] = stack.enter_context(BENCH[name](case, name, inputs))
+                    except Exception as exc:  # noqa: BLE001 -- this contender's row says why
+                        rows[name] = make_row(case, name, skipped=_reason(exc))
+            running = [name for name in names if name in timed]
+            timings = measure_interleaved([timed[name] for name in running], settings)
+            fell_back = [str(w.message) for w in caught if issubclass(w.category, FastPathWarning)]
+        for name, timing in zip(running, timings):
+            extra = {}
+            if name.startswith("jax_epilog"):
+                extra["handler_runs"] = timed[name][1].runs
+                if fell_back and name == "jax_epilog":  # the one that always asks for the fused path
+                    extra["note"] = fell_back[0]
+            rows[name] = make_row(case, name, timing, **extra)
     except Exception as exc:  # noqa: BLE001 -- one failing contender must not end the run
         if len(names) > 1:
             return [row for name in names for row in run_group(case, [name], inputs, settings)]
-        reason = str(exc) if isinstance(exc, Skip) else failure_reason(exc)
-        return [make_row(case, names[0], skipped=reason)]
+        return [make_row(case, names[0], skipped=_reason(exc))]
+    return [rows[name] for name in names]
+
+
+def _reason(exc: BaseException) -> str:
+    return str(exc) if isinstance(exc, Skip) else failure_reason(exc)
 
 
 class Progress:
@@ -410,21 +421,21 @@ def describe(row: dict) -> str:
     return f"{row['us']:.1f} µs, {_tf(row['tflops'])} TF/s ({row['samples']} x {row['iters']} calls)"
 
 
-def _jax_group(todo: list[tuple[Case, str]], start: int) -> list[str]:
-    """The JAX contenders of todo[start]'s case that follow it: they are timed together."""
+def _case_group(todo: list[tuple[Case, str]], start: int) -> list[str]:
+    """The contenders of todo[start]'s case that follow it: they are timed together."""
     case, names = todo[start][0], []
     for other, name in todo[start:]:
-        if other != case or name in BENCH:
+        if other != case:
             break
         names.append(name)
     return names
 
 
 def run_jobs(todo: list[tuple[Case, str]], settings: Settings, progress: Progress, on_row=None) -> list[dict]:
-    """Every job, in order; a case's consecutive JAX contenders are timed interleaved."""
+    """Every job, in order; a case's consecutive contenders are timed interleaved."""
     rows, inputs, i = [], None, 0
     while i < len(todo):
-        case, contender = todo[i]
+        case = todo[i][0]
         problem = (case.m, case.k, case.n, case.dtype, case.bias_dtype)
         if inputs is None or inputs.problem != problem:
             # Host data is reused across dtypes; the last problem's device copies are
@@ -433,7 +444,7 @@ def run_jobs(todo: list[tuple[Case, str]], settings: Settings, progress: Progres
             host = inputs.host if same_shape else None
             inputs = None
             inputs = Inputs(case, host)
-        names = [contender] if contender in BENCH else _jax_group(todo, i)
+        names = _case_group(todo, i)
         for row in run_group(case, names, inputs, settings):
             rows.append(row)
             progress.report(

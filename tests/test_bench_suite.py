@@ -1,5 +1,6 @@
 """The benchmark suite's CPU-testable parts: plan, arithmetic, skips, merging, rendering."""
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -358,22 +359,54 @@ def test_plots(tmp_path):
     assert labels == ["4x8->16\nrelu"] and series == {"jax_epilog": [2.5]}
 
 
-def test_run_jobs_times_a_cases_jax_contenders_together(monkeypatch):
-    groups = []
-    real = run.bench_jax_group
+def test_run_jobs_times_a_cases_contenders_together(monkeypatch):
+    groups, timed_together = [], []
+    real_group, real_measure = run.run_group, run.measure_interleaved
 
-    def spy(case, names, inputs, settings):
+    def group_spy(case, names, inputs, settings):
         groups.append(list(names))
-        return real(case, names, inputs, settings)
+        return real_group(case, names, inputs, settings)
 
-    monkeypatch.setattr(run, "bench_jax_group", spy)
+    def measure_spy(contenders, settings):
+        timed_together.append(len(contenders))
+        return real_measure(contenders, settings)
+
+    monkeypatch.setattr(run, "run_group", group_spy)
+    monkeypatch.setattr(run, "measure_interleaved", measure_spy)
+    monkeypatch.setitem(sys.modules, "cupy", None)  # nvmath cannot start: a row with the reason
     case = _tiny()
     todo = [(case, "jax_epilog"), (case, "jax_epilog_auto"), (case, "xla"), (case, "nvmath"),
             (case._replace(activation="gelu"), "xla")]  # fmt: skip
     rows = run.run_jobs(todo, run.SMOKE, run.Progress(len(todo)))
     assert [r["contender"] for r in rows] == [name for _, name in todo]
-    assert groups == [["jax_epilog", "jax_epilog_auto", "xla"], ["xla"]]
+    assert groups == [["jax_epilog", "jax_epilog_auto", "xla", "nvmath"], ["xla"]]
+    assert timed_together == [3, 1]
     assert all(r["us"] > 0 for r in rows if r["contender"] != "nvmath")
+    assert "not importable" in rows[3]["skipped"]
+
+
+def test_library_contenders_are_interleaved_with_jax(monkeypatch):
+    """A non-JAX contender's samples alternate with the JAX contenders' (same power state)."""
+    order = []
+
+    @contextlib.contextmanager
+    def fake(case, name, inputs):
+        yield (lambda i: order.append(name)), run.WallClock()
+
+    monkeypatch.setitem(run.BENCH, "nvmath", fake)
+    real = run._jax_timed
+
+    def jax_timed(case, names, inputs):
+        return [(lambda i, c=call, n=name: (order.append(n), c(i))[1], clock)
+                for name, (call, clock) in zip(names, real(case, names, inputs))]  # fmt: skip
+
+    monkeypatch.setattr(run, "_jax_timed", jax_timed)
+    case = _tiny()
+    rows = run.run_group(case, ["xla", "nvmath"], run.Inputs(case), run.SMOKE)
+    assert [r["skipped"] for r in rows] == [None, None]
+    timed = order[order.index("nvmath") :]  # after warm-up and calibration of both
+    samples = [name for j, name in enumerate(timed) if j == 0 or timed[j - 1] != name]
+    assert samples[-4:] == ["xla", "nvmath", "xla", "nvmath"]
 
 
 def test_chain_layout_counts_the_optimized_hlo():

@@ -2,6 +2,7 @@
 
     python -m benchmarks.algorithms
     python -m benchmarks.algorithms --tuning [M K N] [EPILOG ...]
+    python -m benchmarks.algorithms --sustained [M K N] [EPILOG ...]
 
 For each epilog of the forward (and the backward's kernel-gradient GEMM, with and without
 the BGRADA bias-gradient epilog) at two transformer shapes, this plans the problem as
@@ -21,11 +22,18 @@ and which one it chose against the fastest here; then the candidates nvmath-pyth
 the backward's input-gradient problem (``fused_mlp``'s link): M K N name the layer whose
 input gradient it is (x (M, K) -> N), so ``--tuning 8192 4096 1024 DGELU`` is the
 transformer MLP block's second layer.
+
+``--sustained`` asks whether a graph of a few launches ranks the candidates as a long run
+does: a large GEMM holds the H200 at its power limit (700 W, SM clock down from 1980 to
+~1425 MHz, seen with nvidia-smi), and then a tile shape that spends less energy per
+multiply-add can win. Each candidate is timed in a graph and in long back-to-back runs,
+then fused_dense and XLA's jit in long runs of calls.
 """
 
 from __future__ import annotations
 
 import sys
+from functools import partial
 
 import cupy as cp
 import jax
@@ -77,6 +85,26 @@ class Timer:
         return _nvmath.graph_us(self.stream, launch, n, samples=5)
 
     def time_algorithm(self, plan, record, pointers) -> float:
+        return self.gpu_us(self.launcher(plan, record, pointers))
+
+    def sustained_us(self, launch, burst_us: float, warm_ms=60.0, time_ms=140.0) -> float:
+        """GPU µs per launch in a long back-to-back run (launched from the host: every
+        problem here takes longer on the GPU than a launch on the host), after ``warm_ms``
+        of the same work: the GPU at its power limit, as in a training loop, where a
+        graph of ~40 launches mostly is not."""
+        for _ in range(max(1, int(warm_ms * 1e3 / burst_us))):
+            launch()
+        runs = max(5, int(time_ms * 1e3 / burst_us))
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record(self.stream)
+        for _ in range(runs):
+            launch()
+        end.record(self.stream)
+        end.synchronize()
+        return cp.cuda.get_elapsed_time(start, end) * 1e3 / runs
+
+    def launcher(self, plan, record, pointers):
+        """A function that launches ``plan``'s problem with algorithm ``record``."""
         a, b, bias, d, aux = pointers
         ws_size = int(np.max(record["workspace_size"])) + 16
         workspace = cp.cuda.alloc(ws_size)
@@ -95,7 +123,7 @@ class Timer:
                 d, layouts[2], d, layouts[3], algo.ctypes.data, workspace.ptr, ws_size, self.stream.ptr,
             )  # fmt: skip
 
-        return self.gpu_us(launch)
+        return launch
 
 
 def jax_us(f, *args, n=50) -> float:
@@ -128,22 +156,95 @@ def tuning(m, k, n, epilogs):
         records = candidates(tuned, _nvmath._CANDIDATES)
         here = [timer.time_algorithm(tuned, c, ptrs) for c in records]
         chosen = int(np.argmin(tuned.tuning))
-        print(f"{m}x{k}->{n} {name}: chose candidate {chosen} ({here[chosen]:.1f} µs here), fastest here "
-              f"{int(np.argmin(here))} ({min(here):.1f} µs), heuristic first {here[0]:.1f} µs", flush=True)
+        print(
+            f"{m}x{k}->{n} {name}: chose candidate {chosen} ({here[chosen]:.1f} µs here), fastest here "
+            f"{int(np.argmin(here))} ({min(here):.1f} µs), heuristic first {here[0]:.1f} µs",
+            flush=True,
+        )
         for i, (planning, measured) in enumerate(zip(tuned.tuning, here)):
             print(f"  candidate {i:2d}: at planning {planning:8.1f} µs, here {measured:8.1f} µs", flush=True)
         theirs = [timer.time_algorithm(tuned, a, ptrs) for a in tuned._mm.algorithms_buffer]
-        print(f"  nvmath's own {len(theirs)} candidates, here: " + ", ".join(f"{t:.1f}" for t in theirs), flush=True)
+        print(
+            f"  nvmath's own {len(theirs)} candidates, here: " + ", ".join(f"{t:.1f}" for t in theirs),
+            flush=True,
+        )
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.bfloat16)
     b = jnp.asarray(rng.standard_normal(n), jnp.bfloat16)
     relu = jax_us(jax.jit(lambda x, w, b: jax.nn.relu(x @ w + b)), x, w, b)
     gelu = jax_us(jax.jit(lambda x, w, b: jax.nn.gelu(x @ w + b)), x, w, b)
-    print(f"{m}x{k}->{n} XLA jit (back to back, host clock): relu {relu:.1f} µs, gelu {gelu:.1f} µs", flush=True)
+    print(
+        f"{m}x{k}->{n} XLA jit (back to back, host clock): relu {relu:.1f} µs, gelu {gelu:.1f} µs", flush=True
+    )
+
+
+def sustained(m, k, n, epilogs, rounds=3):
+    """Each autotuning candidate timed in a graph (as the tuner does) and in long runs at
+    the GPU's power limit (median of ``rounds``, the candidates in turn, the GPU kept
+    busy throughout), then fused_dense and XLA's jit the same way (host clock)."""
+    timer = Timer()
+    for name in epilogs:
+        spec = EpilogSpec(m, n, k, name, "COMPUTE_32F", "bfloat16", "bfloat16", "bfloat16", "forward")
+        tuned = _nvmath.Plan(spec, 0, 256, autotune=True)
+        print(f"{m}x{k}->{n} {name}: planned", file=sys.stderr, flush=True)
+        ptrs = _forward_pointers(timer, spec)
+        launches = [timer.launcher(tuned, c, ptrs) for c in candidates(tuned, _nvmath._CANDIDATES)]
+        burst = [timer.gpu_us(launch) for launch in launches]
+        print(f"{m}x{k}->{n} {name}: graphs timed", file=sys.stderr, flush=True)
+        runs = [[] for _ in launches]
+        for round_ in range(rounds):
+            for i, launch in enumerate(launches):
+                runs[i].append(timer.sustained_us(launch, burst[i]))
+            print(
+                f"  round {round_}: " + ", ".join(f"{r[-1]:.1f}" for r in runs), file=sys.stderr, flush=True
+            )
+        long = [float(np.median(r)) for r in runs]
+        chosen = int(np.argmin(tuned.tuning))
+        print(
+            f"{m}x{k}->{n} {name}: tuner chose {chosen} (graph {burst[chosen]:.1f}, long runs {long[chosen]:.1f} µs); "
+            f"fastest in graphs {int(np.argmin(burst))} ({min(burst):.1f}), in long runs {int(np.argmin(long))} "
+            f"({min(long):.1f})",
+            flush=True,
+        )
+        for i, (planning, g, lr) in enumerate(zip(tuned.tuning, burst, long)):
+            print(
+                f"  candidate {i:2d}: at planning {planning:8.1f}, graph {g:8.1f}, long runs {lr:8.1f} µs "
+                f"(rounds {', '.join(f'{t:.1f}' for t in runs[i])})",
+                flush=True,
+            )
+    from benchmarks.forward import activation_fn
+    from benchmarks.timing import measure_interleaved
+    from jax_epilog import fused_dense
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.bfloat16)
+    b = jnp.asarray(rng.standard_normal(n), jnp.bfloat16)
+    for act in sorted({"relu" if e.startswith("RELU") else "gelu" for e in epilogs}):
+        f = activation_fn(act)
+        programs = {
+            "fused_dense": jax.jit(partial(fused_dense, activation=act, implementation="cublaslt")),
+            "xla": jax.jit(lambda x, w, b, f=f: f(x @ w + b)),
+        }
+        calls = max(20, int(0.15e6 / min(burst)))  # ~150 ms a sample, as the long runs
+        settings = Settings(samples=5, min_calls=calls, sample_s=0.0, warmup=calls // 2)
+        timings = measure_interleaved(
+            [(lambda i, p=p: p(x, w, b), WallClock()) for p in programs.values()], settings
+        )
+        print(
+            f"{m}x{k}->{n} {act} long runs (host clock, {calls} calls a sample): "
+            + ", ".join(f"{name} {t.us:.1f} µs" for name, t in zip(programs, timings)),
+            flush=True,
+        )
 
 
 def main():
+    if "--sustained" in sys.argv:
+        args = sys.argv[sys.argv.index("--sustained") + 1 :]
+        shape = [int(a) for a in args if a.isdigit()] or [8192, 4096, 16384]
+        sustained(*shape, [a for a in args if not a.isdigit()] or ["RELU_BIAS", "GELU_BIAS"])
+        return
     if "--tuning" in sys.argv:
         args = sys.argv[sys.argv.index("--tuning") + 1 :]
         shape = [int(a) for a in args if a.isdigit()] or [8192, 4096, 16384]

@@ -39,7 +39,7 @@ __all__ = ["fused_mlp"]
 
 _OWNER = "fused_mlp"
 # "auto" links layers (DGELU) from this many rows: an MLP block's fwd+bwd measured 1.06-1.09x
-# XLA at 8192x1024->4096->1024 (four runs) and 0.99-1.00x at 8192x4096->16384->4096, but
+# XLA at 8192x1024->4096->1024 (five runs) and 0.99-1.00x at 8192x4096->16384->4096, but
 # 0.90-0.96x at 2048, 1000, 512 and 256 rows (benchmarks/README.md, H200, bf16); below it
 # "auto" is the stack of fused_dense calls, which is XLA's expression at those sizes.
 _AUTO_LINK_MIN_ROWS = 8192

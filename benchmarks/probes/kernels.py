@@ -12,12 +12,16 @@ host events (the Python tracer off) the runtime's busiest spans. Before tracing 
 ``enqueue_us`` (until the loop has handed every call to the runtime): when the two are
 equal and above the GPU's busy time, the program is bound by its host cost.
 
-Cases: fwd+bwd ``jax.grad`` of ``sum(act(x @ w + b))`` at 8192x1024->4096 bf16 for XLA's
+Cases: the forward at 8192x4096->16384 bf16 (ReLU, GELU), fused and XLA, one layer per call
+and four per call as in benchmarks.forward's "in 4" rows (XLA's single call has timed up to 5%
+faster than its own four-to-a-call rate there); fwd+bwd ``jax.grad`` of
+``sum(act(x @ w + b))`` at 8192x1024->4096 bf16 for XLA's
 plain expression, ``fused_dense(implementation="cublaslt")`` and the fused forward with
 XLA's backward (benchmarks.backward_variants); 16-layer chains at 256x1024->1024 with the
 weights stacked or per layer (benchmarks.chain_layout), fused and XLA; the MLP block of
 ``benchmarks.training --part mlp`` at 8192 and 2048 rows, XLA and ``fused_mlp`` linked. Writes
-kernels.json, kernels.md and the raw traces (traces/) into OUT_DIR.
+kernels.json, kernels.md, the raw traces (traces/) and each jitted program's optimized HLO
+(hlo/, where XLA's cuBLAS calls name the algorithm its autotuner chose) into OUT_DIR.
 """
 
 from __future__ import annotations
@@ -43,8 +47,26 @@ from benchmarks.forward import activation_fn, chain, feedback, write_results
 from benchmarks.training import layer_inputs, mlp_grad_step, mlp_inputs
 from jax_epilog import fused_dense
 
-STEPS = {"grad": 10, "chain": 20}
+STEPS = {"fwd": 10, "grad": 10, "chain": 20}
 CALLS = 500
+
+
+def _forward_case(activation: str, name: str, per_call: int = 1):
+    """benchmarks.forward's single-layer rows at 8192x4096->16384 (same inputs and programs)."""
+    m, k, n = 8192, 4096, 16384
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.bfloat16)
+    b = jnp.asarray(rng.standard_normal(n), jnp.bfloat16)
+    act = activation_fn(activation)
+    layer = {
+        "fused": partial(fused_dense, activation=activation, implementation="cublaslt"),
+        "xla": lambda x, w, b: act(x @ w + b).astype(x.dtype),
+    }[name]
+    if per_call == 1:
+        return jax.jit(layer), (x, w, b)
+    xs = jnp.stack([x * (1 + i / 8) for i in range(per_call)])
+    return jax.jit(lambda xs, w, b: [layer(xs[i], w, b) for i in range(per_call)]), (xs, w, b)
 
 
 def _grad_case(activation: str, name: str):
@@ -80,6 +102,10 @@ def _mlp_case(rows: int, contender: str):
 
 def cases() -> dict:
     out = {}
+    for act in ("relu", "gelu"):
+        for name in ("xla", "fused"):
+            out[f"fwd-{act}-{name}"] = ("fwd", partial(_forward_case, act, name))
+            out[f"fwd-{act}-{name}-in4"] = ("fwd", partial(_forward_case, act, name, 4))
     for rows in (8192, 2048):  # where fused_mlp's DGELU link measured faster, and slower
         for contender in ("xla", "fused_mlp_cublaslt"):
             out[f"mlp-{rows}-{contender}"] = ("grad", partial(_mlp_case, rows, contender))
@@ -187,6 +213,10 @@ def profile(name: str, kind: str, make, out: str) -> dict:
     for _ in range(3):
         jax.block_until_ready(fn(*args))
     clock = host_clock(fn, args)
+    if hasattr(fn, "lower"):  # the optimized program, for the kernels XLA chose
+        os.makedirs(os.path.join(out, "hlo"), exist_ok=True)
+        with open(os.path.join(out, "hlo", f"{name}.txt"), "w") as fh:
+            fh.write(fn.lower(*args).compile().as_text())
     logdir = os.path.join(out, "traces", name)
     shutil.rmtree(logdir, ignore_errors=True)
     steps = STEPS[kind]

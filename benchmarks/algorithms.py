@@ -24,10 +24,13 @@ input gradient it is (x (M, K) -> N), so ``--tuning 8192 4096 1024 DGELU`` is th
 transformer MLP block's second layer.
 
 ``--sustained`` asks whether a graph of a few launches ranks the candidates as a long run
-does: a large GEMM holds the H200 at its power limit (700 W, SM clock down from 1980 to
-~1425 MHz, seen with nvidia-smi), and then a tile shape that spends less energy per
-multiply-add can win. Each candidate is timed in a graph and in long back-to-back runs,
-then fused_dense and XLA's jit in long runs of calls.
+does: jitted programs of large GEMMs held the H200 at its power limit (700 W, SM clock down
+from 1980 to ~1425 MHz, seen with nvidia-smi), where a tile shape that spends less energy
+per multiply-add could win. Each candidate is timed in a graph and in long back-to-back
+runs, then fused_dense and XLA's jit in long runs of calls. (These raw launches drew ~480 W
+at 8192x4096->16384, not the programs' 690 W.) For diagnosis only: at
+8192x4096->16384 it stalled twice on the H200 (the GPU at ~260 W for minutes; cause not
+found, benchmarks/results/2026-12-03-h200-k-power/), so run it under ``timeout``.
 """
 
 from __future__ import annotations

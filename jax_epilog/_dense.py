@@ -237,15 +237,15 @@ def _implementation(value, ct: ComputeType, return_aux: bool, owner: str = "fuse
 def _auto_fuses(activation: Activation | None, m: int, n: int, k: int) -> bool:
     """The "auto" rule for a forward pass (benchmarks/README.md, H200, bf16, autotuned):
     GELU on a large layer, where XLA leaves the GELU unfused and the fused kernel measured
-    1.06-1.50x XLA (the suite's last three runs). Not ReLU or no activation: XLA fuses bias +
-    ReLU into its own cuBLASLt call and the fused kernel measured 0.98-1.04x. Not small
-    layers (fewer than 1024 rows or M*N*K < 2**33): as single jitted calls they are bound
-    by host time, and since the handler replays a captured graph (~6 µs per call instead of
-    ~23) the fused call measured 0.79-1.15x XLA there over two runs, and 0.79-1.31x over 40
-    small-batch cases (16-256 rows, five weight sizes: benchmarks/probes/small_batch.py),
-    without a pattern a rule could follow (0.63-0.84x before). Inside XLA's command
-    buffers small fused layers do win (16-layer chains), but an op cannot know at tracing
-    whether XLA will capture it."""
+    1.04-1.61x XLA (the suite's four runs of 2026-12-03). Not ReLU or no activation: XLA
+    fuses bias + ReLU into its own cuBLASLt call and the fused kernel measured 0.94-1.07x
+    (the same runs). Not small layers (fewer than 1024 rows or M*N*K < 2**33): as single
+    jitted calls they are bound by host time, and since the handler replays a captured
+    graph (~6 µs per call instead of ~23) the fused call measured 0.79-1.15x XLA there over
+    two runs, and 0.79-1.31x over 40 small-batch cases (16-256 rows, five weight sizes:
+    benchmarks/probes/small_batch.py), without a pattern a rule could follow (0.63-0.84x
+    before). Inside XLA's command buffers small fused layers do win (16-layer chains), but
+    an op cannot know at tracing whether XLA will capture it."""
     return activation is Activation.GELU and m >= 1024 and m * n * k >= 2**33
 
 

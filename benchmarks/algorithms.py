@@ -93,8 +93,7 @@ class Timer:
     def sustained_us(self, launch, burst_us: float, warm_ms=60.0, time_ms=140.0) -> float:
         """GPU µs per launch in a long back-to-back run (launched from the host: every
         problem here takes longer on the GPU than a launch on the host), after ``warm_ms``
-        of the same work: the GPU at its power limit, as in a training loop, where a
-        graph of ~40 launches mostly is not."""
+        of the same work, as in a training loop rather than a graph of ~40 launches."""
         for _ in range(max(1, int(warm_ms * 1e3 / burst_us))):
             launch()
         runs = max(5, int(time_ms * 1e3 / burst_us))
@@ -183,9 +182,9 @@ def tuning(m, k, n, epilogs):
 
 
 def sustained(m, k, n, epilogs, rounds=3):
-    """Each autotuning candidate timed in a graph (as the tuner does) and in long runs at
-    the GPU's power limit (median of ``rounds``, the candidates in turn, the GPU kept
-    busy throughout), then fused_dense and XLA's jit the same way (host clock)."""
+    """Each autotuning candidate timed in a graph (as the tuner does) and in long runs
+    (median of ``rounds``, the candidates in turn, the GPU kept busy throughout), then
+    fused_dense and XLA's jit the same way (host clock)."""
     timer = Timer()
     for name in epilogs:
         spec = EpilogSpec(m, n, k, name, "COMPUTE_32F", "bfloat16", "bfloat16", "bfloat16", "forward")

@@ -134,6 +134,14 @@ def jax_us(f, *args, n=50) -> float:
     return measure(lambda i: f(*args), WallClock(), settings).us
 
 
+def jax_operands(m, k, n):
+    """bf16 x ~ N(0, 1) (m, k), kernel ~ N(0, 1/k) (k, n), bias ~ N(0, 1) (n,), as JAX arrays."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.bfloat16)
+    return x, w, jnp.asarray(rng.standard_normal(n), jnp.bfloat16)
+
+
 def _forward_pointers(timer, spec):
     m, n, k, buf = spec.m, spec.n, spec.k, timer.buffer
     return (buf(k * n * 2), buf(m * k * 2), buf(n * 2), buf(m * n * 2), buf(m * n * 2) if spec.has_aux else 0)
@@ -170,10 +178,7 @@ def tuning(m, k, n, epilogs):
             f"  nvmath's own {len(theirs)} candidates, here: " + ", ".join(f"{t:.1f}" for t in theirs),
             flush=True,
         )
-    rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-    w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.bfloat16)
-    b = jnp.asarray(rng.standard_normal(n), jnp.bfloat16)
+    x, w, b = jax_operands(m, k, n)
     relu = jax_us(jax.jit(lambda x, w, b: jax.nn.relu(x @ w + b)), x, w, b)
     gelu = jax_us(jax.jit(lambda x, w, b: jax.nn.gelu(x @ w + b)), x, w, b)
     print(
@@ -219,10 +224,7 @@ def sustained(m, k, n, epilogs, rounds=3):
     from benchmarks.timing import measure_interleaved
     from jax_epilog import fused_dense
 
-    rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-    w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.bfloat16)
-    b = jnp.asarray(rng.standard_normal(n), jnp.bfloat16)
+    x, w, b = jax_operands(m, k, n)
     for act in sorted({"relu" if e.startswith("RELU") else "gelu" for e in epilogs}):
         f = activation_fn(act)
         programs = {

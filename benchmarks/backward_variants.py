@@ -11,7 +11,11 @@ benchmarks.forward) for four layers:
   aux; the backward's kernel and bias gradients come from one BGRADA GEMM;
 - ``aux+xla``: the fused forward with its aux, then the backward from that aux with XLA's
   GEMMs and a separate reduction for the bias gradient (a custom_vjp written here);
-- ``auto``: ``fused_dense``'s default.
+- ``auto``: ``fused_dense``'s default;
+- ``aux+ones`` and ``xla+ones``: as ``aux+xla``, and as XLA's own forward that keeps z, but
+  the bias gradient comes out of the kernel-gradient GEMM: x gains a column of ones (and
+  seven of zeros, to keep rows 16-byte aligned), so ``[x, 1, 0]^T @ dz`` holds ``x^T @ dz``
+  in its first K rows and ``sum(dz, 0)`` in row K, with no separate reduction over dz.
 
 and two losses: ``sum``, ``sum(act(z))`` as in the issue's anchor (XLA's program then never
 computes act(z) itself: only its derivative is needed), and ``sq``, ``sum(act(z)**2) / 2``,
@@ -63,6 +67,45 @@ def _aux_bwd(activation, residuals, dy):
 
 aux_then_xla.defvjp(_aux_fwd, _aux_bwd)
 
+ONES_PAD = 8  # x gains [1, 0 x 7]: rows of K + 8 bf16 stay 16-byte aligned
+
+
+def _weight_and_bias_grad(x, dz):
+    """(x^T @ dz, sum(dz, 0)) from ONE GEMM: ``[x, 1, 0...]^T @ dz``, row K being the sums."""
+    m, k = x.shape
+    ones = jnp.zeros((m, ONES_PAD), x.dtype).at[:, 0].set(1)
+    both = _reference._matmul(jnp.concatenate([x, ones], axis=1), dz, (0, 0), CT)
+    return both[:k].astype(x.dtype), both[k].astype(x.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def ones_trick(x, w, b, activation: str, fused_forward: bool):
+    """``act(x @ w + b)``; under grad, the bias gradient from the kernel-gradient GEMM."""
+    if fused_forward:
+        return fused_dense(x, w, b, activation=activation, implementation="cublaslt")
+    return activation_fn(activation)(x @ w + b)
+
+
+def _ones_fwd(x, w, b, activation, fused_forward):
+    if fused_forward:  # residual: the epilog's aux (the ReLU bit-mask or GELU's z)
+        y, aux = fused_dense(x, w, b, activation=activation, return_aux=True, implementation="cublaslt")
+        return y, (x, w, aux)
+    z = x @ w + b  # residual: z itself, as XLA's autodiff keeps it
+    return activation_fn(activation)(z), (x, w, z)
+
+
+def _ones_bwd(activation, fused_forward, residuals, dy):
+    x, w, saved = residuals
+    if fused_forward:
+        dz = _reference.output_grad(saved, dy, None, Activation(activation), CT, x.dtype)
+    else:
+        dz = jax.vjp(activation_fn(activation), saved)[1](dy)[0]
+    dw, db = _weight_and_bias_grad(x, dz)
+    return _reference.input_grad(dz, w, CT), dw, db
+
+
+ones_trick.defvjp(_ones_fwd, _ones_bwd)
+
 
 def layers(activation):
     act = activation_fn(activation)
@@ -71,6 +114,8 @@ def layers(activation):
         "cublaslt": lambda x, w, b: fused_dense(x, w, b, activation=activation, implementation="cublaslt"),
         "aux+xla": lambda x, w, b: aux_then_xla(x, w, b, activation),
         "auto": lambda x, w, b: fused_dense(x, w, b, activation=activation),
+        "aux+ones": lambda x, w, b: ones_trick(x, w, b, activation, True),
+        "xla+ones": lambda x, w, b: ones_trick(x, w, b, activation, False),
     }
 
 
@@ -105,17 +150,19 @@ def bench(rows, shapes=GRAD_SHAPES):
 
 
 def render(rows) -> str:
-    names = ("xla", "cublaslt", "aux+xla", "auto")
+    names = ("xla", "cublaslt", "aux+xla", "auto", "aux+ones", "xla+ones")
     lines = [
         "| M×K→N (bf16) | act | loss | "
         + " | ".join(f"{n} µs" for n in names)
-        + " | XLA/cublaslt | XLA/aux+xla | XLA/auto |",
-        "|---|---|---|" + "---|" * (len(names) + 3),
+        + " | "
+        + " | ".join(f"XLA/{n}" for n in names[1:])
+        + " |",
+        "|---|---|---|" + "---|" * (2 * len(names) - 1),
     ]
     for r in rows:
         if "loss" not in r:
             continue
-        t = [r[f"{n}_us"] for n in names]
+        t = [r.get(f"{n}_us", float("nan")) for n in names]
         cells = [f"{v:.1f}" for v in t] + [f"{t[0] / v:.2f}×" for v in t[1:]]
         lines.append(f"| {r['shape']} | {r['activation']} | {r['loss']} | " + " | ".join(cells) + " |")
     lines += [

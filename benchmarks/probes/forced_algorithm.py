@@ -6,12 +6,15 @@ Times ``fused_dense(implementation="cublaslt")`` against XLA's jit of ``relu(x @
 (bf16, the suite's inputs and method: benchmarks.run.run_group, interleaved) with the fused
 plan's algorithm forced to cuBLASLt heuristic candidate INDEX (as numbered by
 ``python -m benchmarks.algorithms --tuning``); without INDEX, the autotuner's own choice.
-Run one process per index: plans are cached per process. Prints one line.
+Run one process per index: plans are cached per process. Prints one line (and, for the
+tuner's choice, each candidate's tuning time).
 """
 
 from __future__ import annotations
 
 import sys
+
+import numpy as np
 
 from benchmarks import run
 from jax_epilog import _nvmath
@@ -32,6 +35,11 @@ def main(argv: list[str] | None = None) -> None:
         f"XLA/fused {xla['us'] / fused['us']:.3f}",
         flush=True,
     )
+    if forced is None:  # which candidate the tuner took, and how close the others came
+        for (spec, *_), plan in _nvmath._plans.items():
+            if plan.tuning is not None and (spec.m, spec.k, spec.n) == SHAPE:
+                times = ", ".join(f"{i}: {t:.1f}" for i, t in enumerate(plan.tuning))
+                print(f"  tuner chose candidate {int(np.argmin(plan.tuning))}; µs per run {times}")
 
 
 if __name__ == "__main__":

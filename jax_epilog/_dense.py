@@ -143,11 +143,11 @@ def fused_dense(
         differentiated by XLA as if jax_epilog were not there (half dtypes round after
         each step, as XLA does; ``compute_type`` may only choose TF32 or full float32).
         ``"auto"``: whichever measured faster on the H200 (benchmarks/README.md):
-        cuBLASLt for the forward of large GELU layers (M >= 1024 rows and M*N*K >= 2**33)
-        and for anything the XLA expression cannot reproduce (``return_aux=True``, 16-bit
-        compute types); XLA's own expression and autodiff otherwise (XLA already fuses
-        bias + ReLU into its GEMM), and always for the backward pass, where XLA's GEMMs
-        plus a separate reduction beat the bias-gradient epilog. On a CPU everything
+        cuBLASLt for the forward of large GELU and ReLU layers (M >= 1024 rows and
+        M*N*K >= 2**33) and for anything the XLA expression cannot reproduce
+        (``return_aux=True``, 16-bit compute types); XLA's own expression and autodiff
+        otherwise (no activation, small layers), and always for the backward pass, where
+        XLA's GEMMs plus a separate reduction beat the bias-gradient epilog. On a CPU everything
         runs XLA (``"cublaslt"``: the reference math below, with the GPU kernel's aux
         layout).
 
@@ -236,17 +236,19 @@ def _implementation(value, ct: ComputeType, return_aux: bool, owner: str = "fuse
 
 def _auto_fuses(activation: Activation | None, m: int, n: int, k: int) -> bool:
     """The "auto" rule for a forward pass (benchmarks/README.md, H200, bf16, autotuned):
-    GELU on a large layer, where XLA leaves the GELU unfused and the fused kernel measured
-    1.04-1.61x XLA (the suite's four runs of 2026-12-03). Not ReLU or no activation: XLA
-    fuses bias + ReLU into its own cuBLASLt call and the fused kernel measured 0.94-1.07x
-    (the same runs). Not small layers (fewer than 1024 rows or M*N*K < 2**33): as single
-    jitted calls they are bound by host time, and since the handler replays a captured
-    graph (~6 µs per call instead of ~23) the fused call measured 0.79-1.15x XLA there over
-    two runs, and 0.79-1.31x over 40 small-batch cases (16-256 rows, five weight sizes:
+    GELU or ReLU on a large layer. GELU: XLA leaves it unfused and the fused kernel
+    measured 1.10-1.61x XLA at the three 8192-row shapes (the suite's four runs of
+    2026-12-03 (l)). ReLU: XLA fuses bias + ReLU into its own GEMM, and the fused kernel
+    measured 1.00-1.06x in the same runs (0.94-0.98x at 8192x4096->16384 before the
+    autotuner warmed the GPU up). Not without an activation (measured at one shape only).
+    Not small layers (fewer than 1024 rows or M*N*K < 2**33): as single jitted calls they
+    are bound by host time, and since the handler replays a captured graph (~6 µs per call
+    instead of ~23) the fused call measured 0.79-1.15x XLA there over two runs, and
+    0.79-1.31x over 40 small-batch cases (16-256 rows, five weight sizes:
     benchmarks/probes/small_batch.py), without a pattern a rule could follow (0.63-0.84x
     before). Inside XLA's command buffers small fused layers do win (16-layer chains), but
     an op cannot know at tracing whether XLA will capture it."""
-    return activation is Activation.GELU and m >= 1024 and m * n * k >= 2**33
+    return activation is not None and m >= 1024 and m * n * k >= 2**33
 
 
 def _plain(x2, kernel, bias, config: _Config):

@@ -115,7 +115,11 @@ def fused_mlp(
     k = x.shape[-1]
     for (kernel, bias), (act, ct, f32_bias) in zip(layers, checked):
         n = kernel.shape[1]
-        fused_forward = impl == "cublaslt" or ct not in _XLA_COMPUTE_TYPES or _auto_fuses(act, m, n, k)
+        # "auto" fuses large GELU layers only: here a layer's forward also leaves the
+        # residuals of this backward, and a ReLU layer's mask then costs more in XLA's
+        # backward GEMMs than the fused forward saves (benchmarks.backward_variants).
+        auto_fused = act is Activation.GELU and _auto_fuses(act, m, n, k)
+        fused_forward = impl == "cublaslt" or ct not in _XLA_COMPUTE_TYPES or auto_fused
         configs.append(
             _Layer(
                 activation=act,

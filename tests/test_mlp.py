@@ -189,6 +189,18 @@ def test_auto_link_on_many_rows_matches_float64_reference_vjp(rng, dtype):
     _assert_grads_match_reference(f, x, layers, dy, activations, TOL[dtype])
 
 
+def test_auto_link_fuses_the_forward_of_large_gelu_layers_only():
+    """fused_dense's "auto" fuses large ReLU forwards too; fused_mlp's linked path keeps
+    ReLU layers on XLA's expression, whose residuals its backward reads more cheaply."""
+    sds = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+    x = sds(8192, 1024)
+    layers = [(sds(1024, 4096), sds(4096)), (sds(4096, 1024), sds(1024)), (sds(1024, 1024), sds(1024))]
+    jaxpr = _ops(functools.partial(fused_mlp, activations=("gelu", "relu", None)), x, layers)
+    assert jaxpr.count("jax_epilog_fused_matmul") == 1  # the GELU layer's
+    alone = _ops(lambda x, w, b: fused_dense(x, w, b, activation="relu"), x, *layers[0])
+    assert "jax_epilog_fused_matmul" in alone
+
+
 def test_without_a_gelu_feeding_a_layer_it_is_the_stack_of_fused_dense_calls(rng):
     activations = ("relu", None, "gelu")  # the GELU is last: nothing to fuse across layers
     x, layers = _as_jnp(*draw(rng, (12, 10), (14, 6, 9), "float32", activations))

@@ -45,7 +45,10 @@ def measure_interleaved(contenders: list[tuple], settings: Settings) -> list[Tim
     Every contender is warmed up and its batch length set first; then the samples go
     round: sample s of each contender before sample s + 1 of any. The GPU's clocks drift
     over a run (by several per cent over seconds of sustained load), and this way the
-    drift touches every contender alike instead of whichever ran last.
+    drift touches every contender alike instead of whichever ran last. Round s starts
+    with contender s (mod their number): at a power-limited size the slot a contender
+    takes in the round moved its time by 3-5% on the H200 (the same kernel in two slots,
+    benchmarks/results/2026-12-03-h200-l-tuner/run6/order.txt), so no contender keeps one.
     """
     made = [0] * len(contenders)
 
@@ -67,9 +70,10 @@ def measure_interleaved(contenders: list[tuple], settings: Settings) -> list[Tim
             count = min(settings.max_calls, math.ceil(count * 1.1 * settings.sample_s / max(first, 1e-9)))
         iters.append(count)
     seconds = [[] for _ in contenders]
-    for _ in range(settings.samples):
-        for j, count in enumerate(iters):
-            seconds[j].append(batch(j, count) / count)
+    n = len(contenders)
+    for s in range(settings.samples):
+        for j in ((s + r) % n for r in range(n)):
+            seconds[j].append(batch(j, iters[j]) / iters[j])
     return [
         Timing(statistics.median(s) * 1e6, len(s), count, calls)
         for s, count, calls in zip(seconds, iters, made)

@@ -147,9 +147,9 @@ def fused_dense(
         M*N*K >= 2**33) and for anything the XLA expression cannot reproduce
         (``return_aux=True``, 16-bit compute types); XLA's own expression and autodiff
         otherwise (no activation, small layers), and always for the backward pass, where
-        XLA's GEMMs plus a separate reduction beat the bias-gradient epilog. On a CPU everything
-        runs XLA (``"cublaslt"``: the reference math below, with the GPU kernel's aux
-        layout).
+        XLA's GEMMs plus a separate reduction beat the bias-gradient epilog. On a CPU
+        everything runs XLA (``"cublaslt"``: the reference math below, with the GPU
+        kernel's aux layout).
 
     Returns:
       ``y`` of shape (..., N) in ``x``'s dtype, or ``(y, aux)`` with ``return_aux=True``.
@@ -239,8 +239,9 @@ def _auto_fuses(activation: Activation | None, m: int, n: int, k: int) -> bool:
     GELU or ReLU on a large layer. GELU: XLA leaves it unfused and the fused kernel
     measured 1.10-1.61x XLA at the three 8192-row shapes (the suite's four runs of
     2026-12-03 (l)). ReLU: XLA fuses bias + ReLU into its own GEMM, and the fused kernel
-    measured 1.00-1.06x in the same runs (0.94-0.98x at 8192x4096->16384 before the
-    autotuner warmed the GPU up). Not without an activation (measured at one shape only).
+    measured 1.00-1.06x in the same runs (0.99-1.01x at 8192x4096->16384 timed as pairs;
+    0.94-0.98x there before the autotuner warmed the GPU up): a tie at worst. Not without
+    an activation (measured at one shape only).
     Not small layers (fewer than 1024 rows or M*N*K < 2**33): as single jitted calls they
     are bound by host time, and since the handler replays a captured graph (~6 µs per call
     instead of ~23) the fused call measured 0.79-1.15x XLA there over two runs, and

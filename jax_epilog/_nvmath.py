@@ -396,8 +396,9 @@ class Plan:
         # a jitted program than a later one (benchmarks/probes/forced_algorithm.py). So the
         # GPU first reaches its steady state, and the second round runs backwards: drift
         # that is linear in time then adds the same to every candidate's mean. Measured
-        # there (ReLU, bf16): the old tuner's choice ran 0.94x XLA's jit; this one chose the
-        # candidate that ran 1.06x when forced, in two processes out of two (1.07x, 1.01x).
+        # there (bf16, fused and XLA's jit timed in turns): ReLU 0.94-1.01x XLA with the old
+        # tuner's choice, 0.99-1.07x with this one's; in the benchmark suite's rounds
+        # 0.95-0.98x before, 1.03-1.05x after, and GELU 1712 -> 1559-1597 µs per call.
         spent, graphs = 0.0, 0
         while spent < _TUNING_WARM_US and graphs < _TUNING_WARM_GRAPHS:
             warm = timed(graphs % len(heuristic)) * runs

@@ -7,7 +7,7 @@ nvidia-smi --query-gpu=timestamp,power.draw,clocks.sm,temperature.gpu --format=c
 smi=$!
 step() { local t=$1; shift; echo "== $(date +%T) $*" >&2; timeout "$t" "$@"; echo "   rc=$? $(date +%T)" >&2; }
 step 90 python3 -m benchmarks.probes.forced_algorithm > "$OUT/forced.txt" 2> "$OUT/forced.err"
-patch -p1 < exp/tuner.patch >&2  # exp/tuner.patch: commit 799e365 (on main as 9594452)
+patch -p1 < exp/tuner.patch >&2  # exp/tuner.patch: commit 799e365 (on main as 31c697c)
 step 90 python3 -m benchmarks.probes.forced_algorithm >> "$OUT/forced.txt" 2>> "$OUT/forced.err"
 step 90 python3 -m benchmarks.probes.forced_algorithm >> "$OUT/forced.txt" 2>> "$OUT/forced.err"
 step 90 python3 -m benchmarks.algorithms --tuning 8192 4096 16384 RELU_BIAS > "$OUT/tuning.txt" 2>&1

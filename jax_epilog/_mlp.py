@@ -75,9 +75,11 @@ def fused_mlp(
     input-gradient GEMM, with cuBLASLt's DGELU epilog on a GPU (the reference math of that
     GEMM elsewhere). The product then meets ``gelu'(z)`` in float32 before rounding once,
     where separate calls round it to x's dtype first. Forward passes follow ``fused_dense``'s
-    rule per layer: with ``"auto"``, XLA's expression for ReLU, no activation and small
-    layers, saving the GELU input z for the backward; with ``"cublaslt"``, the fused kernel
-    and its aux. Every layer's kernel and bias gradients: as ``fused_dense`` with the same
+    rule per layer, except for ReLU: with ``"auto"``, the fused kernel for large GELU
+    layers and XLA's expression for ReLU (which ``fused_dense`` fuses when large: here the
+    backward reads y > 0 more cheaply than the mask), no activation and small layers,
+    saving the GELU input z for the backward; with ``"cublaslt"``, the fused kernel and its
+    aux. Every layer's kernel and bias gradients: as ``fused_dense`` with the same
     implementation (XLA's GEMM and reduction for ``"auto"``). ReLU's derivative comes from
     the aux mask, or with ``"auto"`` from ``h_{i+1} > 0``, the same except where a
     positive z rounds to zero in x's dtype.

@@ -36,7 +36,6 @@ found, benchmarks/results/2026-12-03-h200-k-power/), so run it under ``timeout``
 from __future__ import annotations
 
 import sys
-from functools import partial
 
 import cupy as cp
 import jax
@@ -45,7 +44,8 @@ import numpy as np
 from nvmath.bindings import cublasLt
 from nvmath.linalg._internal import matmul_pref_ifc
 
-from benchmarks.timing import Settings, WallClock, measure
+from benchmarks.forward import layer_operands, single_layers
+from benchmarks.timing import Settings, WallClock, measure, measure_interleaved
 from jax_epilog import _nvmath
 from jax_epilog._epilogs import Activation, EpilogSpec, aux_padded_width
 
@@ -134,14 +134,6 @@ def jax_us(f, *args, n=50) -> float:
     return measure(lambda i: f(*args), WallClock(), settings).us
 
 
-def jax_operands(m, k, n):
-    """bf16 x ~ N(0, 1) (m, k), kernel ~ N(0, 1/k) (k, n), bias ~ N(0, 1) (n,), as JAX arrays."""
-    rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-    w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.bfloat16)
-    return x, w, jnp.asarray(rng.standard_normal(n), jnp.bfloat16)
-
-
 def _forward_pointers(timer, spec):
     m, n, k, buf = spec.m, spec.n, spec.k, timer.buffer
     return (buf(k * n * 2), buf(m * k * 2), buf(n * 2), buf(m * n * 2), buf(m * n * 2) if spec.has_aux else 0)
@@ -178,7 +170,7 @@ def tuning(m, k, n, epilogs):
             f"  nvmath's own {len(theirs)} candidates, here: " + ", ".join(f"{t:.1f}" for t in theirs),
             flush=True,
         )
-    x, w, b = jax_operands(m, k, n)
+    x, w, b = layer_operands(m, k, n, seed=0)
     relu = jax_us(jax.jit(lambda x, w, b: jax.nn.relu(x @ w + b)), x, w, b)
     gelu = jax_us(jax.jit(lambda x, w, b: jax.nn.gelu(x @ w + b)), x, w, b)
     print(
@@ -220,17 +212,10 @@ def sustained(m, k, n, epilogs, rounds=3):
                 f"(rounds {', '.join(f'{t:.1f}' for t in runs[i])})",
                 flush=True,
             )
-    from benchmarks.forward import activation_fn
-    from benchmarks.timing import measure_interleaved
-    from jax_epilog import fused_dense
-
-    x, w, b = jax_operands(m, k, n)
+    x, w, b = layer_operands(m, k, n, seed=0)
     for act in sorted({"relu" if e.startswith("RELU") else "gelu" for e in epilogs}):
-        f = activation_fn(act)
-        programs = {
-            "fused_dense": jax.jit(partial(fused_dense, activation=act, implementation="cublaslt")),
-            "xla": jax.jit(lambda x, w, b, f=f: f(x @ w + b)),
-        }
+        layers = single_layers(act)
+        programs = {"fused_dense": jax.jit(layers["fused"]), "xla": jax.jit(layers["xla"])}
         calls = max(20, int(0.15e6 / min(burst)))  # ~150 ms a sample, as the long runs
         settings = Settings(samples=5, min_calls=calls, sample_s=0.0, warmup=calls // 2)
         timings = measure_interleaved(

@@ -105,16 +105,37 @@ SINGLE = [  # (m, k, n, dtype, bias dtype)
 ]
 
 
+def layer_operands(m, k, n, dtype="bfloat16", bias_dtype="bfloat16", seed=1):
+    """A single-layer row's inputs: x ~ N(0, 1) (m, k), kernel ~ N(0, 1/k) (k, n), bias
+    ~ N(0, 1) (n,), as JAX arrays."""
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), dtype)
+    return x, w, jnp.asarray(rng.standard_normal(n), bias_dtype)
+
+
+def single_layers(activation):
+    """A single-layer row's two contenders, not jitted: the fused op and XLA's expression."""
+    act = activation_fn(activation)
+    return {
+        "fused": partial(fused_dense, activation=activation, implementation="cublaslt"),
+        "xla": lambda x, w, b: act(x @ w + b).astype(x.dtype),
+    }
+
+
+def in_four(layer, x):
+    """The "in 4" rows: four independent layers (inputs x scaled by 1 + i/8) in one jitted
+    call, as (program, stacked inputs)."""
+    xs = jnp.stack([x * (1 + i / 8) for i in range(4)])
+    return jax.jit(lambda xs, w, b: [layer(xs[i], w, b) for i in range(4)]), xs
+
+
 def bench_single(rows):
     for m, k, n, dtype, bias_dtype in SINGLE:
-        rng = np.random.default_rng(1)
-        x = jnp.asarray(rng.standard_normal((m, k)), dtype)
-        w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), dtype)
-        b = jnp.asarray(rng.standard_normal(n), bias_dtype)
+        x, w, b = layer_operands(m, k, n, dtype, bias_dtype)
         for activation in ("relu", "gelu"):
-            act = activation_fn(activation)
-            fused = jax.jit(partial(fused_dense, activation=activation, implementation="cublaslt"))
-            xla = jax.jit(lambda x, w, b, act=act: act(x @ w + b).astype(x.dtype))
+            layers = single_layers(activation)
+            fused, xla = jax.jit(layers["fused"]), jax.jit(layers["xla"])
             jax.block_until_ready(xla(x, w, b))  # compiled outside the handler's count
             calls0, ns0, res0 = _ffi.handler_stats()
             t_fused, t_xla = time_jax_interleaved((fused, (x, w, b)), (xla, (x, w, b)))
@@ -123,9 +144,8 @@ def bench_single(rows):
             handler_us = (ns1 - ns0) / max(1, calls1 - calls0) / 1e3
             # Four independent layers per jitted call: dispatch is amortised, so these
             # rows show the GPU's time per layer rather than the host's per call.
-            xs = jnp.stack([x * (1 + i / 8) for i in range(4)])
-            four = [jax.jit(lambda xs, w, b, g=g: [g(xs[i], w, b) for i in range(4)]) for g in (fused, xla)]
-            t_fused4, t_xla4 = (t / 4 for t in time_jax_interleaved(*((g, (xs, w, b)) for g in four)))
+            four = [in_four(g, x) for g in (fused, xla)]
+            t_fused4, t_xla4 = (t / 4 for t in time_jax_interleaved(*((g, (xs, w, b)) for g, xs in four)))
             row = dict(
                 shape=f"{m}x{k}->{n}", dtype=f"{dtype}/{bias_dtype} bias", activation=activation,
                 fused_us=t_fused, xla_us=t_xla, fused_in4_us=t_fused4, xla_in4_us=t_xla4,

@@ -542,3 +542,17 @@ def test_small_batch_probe_times_every_contender(tmp_path, monkeypatch):
         assert r["copies"] == 32 and all(r[c] > 0 for c in small_batch.CONTENDERS)
     table = (tmp_path / "small_batch.md").read_text().splitlines()
     assert table[2].startswith("| 3x5->7 | relu | ") and table[2].count("×") == 2
+
+
+def test_forward_in_four_runs_the_single_layer_four_times():
+    """benchmarks.forward's "in 4" program (shared with probes.kernels) computes four
+    independent layers, the i-th on x * (1 + i/8), with the same single-layer program."""
+    from benchmarks import forward
+
+    x, w, b = forward.layer_operands(5, 3, 7, "float32", "float32")
+    for name, layer in forward.single_layers("gelu").items():
+        program, xs = forward.in_four(layer, x)
+        outs = program(xs, w, b)
+        assert len(outs) == 4, name
+        for i, y in enumerate(outs):
+            np.testing.assert_allclose(y, layer(x * (1 + i / 8), w, b), rtol=1e-5, atol=1e-6, err_msg=name)

@@ -43,7 +43,15 @@ import numpy as np
 
 from benchmarks.backward_variants import LOSSES
 from benchmarks.backward_variants import layers as grad_layers
-from benchmarks.forward import activation_fn, chain, feedback, write_results
+from benchmarks.forward import (
+    activation_fn,
+    chain,
+    feedback,
+    in_four,
+    layer_operands,
+    single_layers,
+    write_results,
+)
 from benchmarks.training import layer_inputs, mlp_grad_step, mlp_inputs
 from jax_epilog import fused_dense
 
@@ -51,22 +59,14 @@ STEPS = {"fwd": 10, "grad": 10, "chain": 20}
 CALLS = 500
 
 
-def _forward_case(activation: str, name: str, per_call: int = 1):
+def _forward_case(activation: str, name: str, four: bool = False):
     """benchmarks.forward's single-layer rows at 8192x4096->16384 (same inputs and programs)."""
-    m, k, n = 8192, 4096, 16384
-    rng = np.random.default_rng(1)
-    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-    w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.bfloat16)
-    b = jnp.asarray(rng.standard_normal(n), jnp.bfloat16)
-    act = activation_fn(activation)
-    layer = {
-        "fused": partial(fused_dense, activation=activation, implementation="cublaslt"),
-        "xla": lambda x, w, b: act(x @ w + b).astype(x.dtype),
-    }[name]
-    if per_call == 1:
+    x, w, b = layer_operands(8192, 4096, 16384)
+    layer = single_layers(activation)[name]
+    if not four:
         return jax.jit(layer), (x, w, b)
-    xs = jnp.stack([x * (1 + i / 8) for i in range(per_call)])
-    return jax.jit(lambda xs, w, b: [layer(xs[i], w, b) for i in range(per_call)]), (xs, w, b)
+    program, xs = in_four(layer, x)
+    return program, (xs, w, b)
 
 
 def _grad_case(activation: str, name: str):
@@ -105,7 +105,7 @@ def cases() -> dict:
     for act in ("relu", "gelu"):
         for name in ("xla", "fused"):
             out[f"fwd-{act}-{name}"] = ("fwd", partial(_forward_case, act, name))
-            out[f"fwd-{act}-{name}-in4"] = ("fwd", partial(_forward_case, act, name, 4))
+            out[f"fwd-{act}-{name}-in4"] = ("fwd", partial(_forward_case, act, name, four=True))
     for rows in (8192, 2048):  # where fused_mlp's DGELU link measured faster, and slower
         for contender in ("xla", "fused_mlp_cublaslt"):
             out[f"mlp-{rows}-{contender}"] = ("grad", partial(_mlp_case, rows, contender))

@@ -574,7 +574,7 @@ def _repeat(layer, steps: int):
 
 
 HOST_STEPS, CHAIN_DEPTH = 64, 16
-N_CEILING, N_HOST = 2, 4 + 2 * 2 * 2  # measurements, for the progress counter
+N_CEILING, N_HOST = 2, 4 + 2 * 3 * 2  # measurements, for the progress counter
 
 
 def bench_host(settings: Settings, scale: int, progress: Progress, on_gpu: bool) -> dict:
@@ -605,18 +605,26 @@ def bench_host(settings: Settings, scale: int, progress: Progress, on_gpu: bool)
             progress.report(f"host: {m}x{k}->{k} relu {name}, {what}", f"{t.us / steps:.1f} µs per call")
     # Weights stacked in one array and sliced in the jit (XLA folds the slices into the
     # custom call), or one array per layer as Flax's layers hold them: XLA compiles its own
-    # chain differently for the two (benchmarks/README.md, "Chains").
-    layouts = {"stacked": (ws, bs), "per-layer": (tuple(ws), tuple(bs))}
+    # chain differently for the two (benchmarks/README.md, "Chains"). "x donated": the
+    # stacked chain called as x = chain(x, ...), a training loop's pattern, so that every
+    # step runs on the same buffers and XLA launches its recorded graph without updating it.
+    layouts = {"stacked": (ws, bs), "per-layer": (tuple(ws), tuple(bs)), "stacked, x donated": (ws, bs)}
     chains = []
     for act in RELU_GELU:
         for weights, (w_arg, b_arg) in layouts.items():
             entry = {"layers": CHAIN_DEPTH, "shape": f"{m}x{k}->{k}", "activation": act, "weights": weights}
-            programs = [forward.chain(layers[name](act), CHAIN_DEPTH) for name in layers]
+            if weights.endswith("donated"):
+                steps = [
+                    forward.feedback(forward.chain(layers[name](act), CHAIN_DEPTH, donate=True), x, w_arg, b_arg)
+                    for name in layers
+                ]
+                calls = [lambda i, s=s: s() for s in steps]
+            else:
+                programs = [forward.chain(layers[name](act), CHAIN_DEPTH) for name in layers]
+                calls = [lambda i, p=p, w=w_arg, b=b_arg: p(x, w, b) for p in programs]
             clocks = [HandlerCountingClock() for _ in layers]
             before = _ffi.handler_stats()
-            timings = measure_interleaved(
-                [(lambda i, p=p: p(x, w_arg, b_arg), clock) for p, clock in zip(programs, clocks)], settings
-            )
+            timings = measure_interleaved(list(zip(calls, clocks)), settings)
             _, host_us = _handler_since(before)
             for name, t, clock in zip(layers, timings, clocks):
                 entry[f"{name}_us"] = t.us

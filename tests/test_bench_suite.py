@@ -327,6 +327,21 @@ def test_command_buffer_verdict():
     assert run.command_buffer_verdict(0, 3392, False).startswith("n/a")
 
 
+def test_host_section_times_each_chain_variant_on_cpu(capsys):
+    settings = run.Settings(samples=1, min_calls=2, sample_s=0.0, warmup=1)
+    progress = run.Progress(run.N_HOST)
+    host = run.bench_host(settings, scale=16, progress=progress, on_gpu=False)
+    assert progress.done == run.N_HOST  # the progress counter's total is right
+    variants = [(c["activation"], c["weights"]) for c in host["chain"]]
+    assert variants == [
+        (act, weights) for act in run.RELU_GELU for weights in ("stacked", "per-layer", "stacked, x donated")
+    ]
+    for c in host["chain"]:
+        assert c["jax_epilog_us"] > 0 and c["xla_us"] > 0 and c["layer_runs"] > 0
+    md = "\n".join(run._host_lines(host))
+    assert "| 16× 16x64->64 | gelu | stacked, x donated |" in md
+
+
 def test_write_results_names(tmp_path):
     import datetime
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call of the 2026-12-03 (m) runs; everything goes into $OUT/x.tgz (the device
-# returns few files). Parts: "check": the BGRADB probe, then the whole GPU check at this
-# commit (tests, examples, forward and training tables); "suite": the suite (rotated rounds,
-# chains also with x donated).
+# returns few files). Parts: "probe" (BGRADB), "check" (scripts/gpu_check.sh without its
+# training tables: tests, examples, forward tables), "suite" (rotated rounds, chains also
+# with x donated), "training" (benchmarks.training: fwd+bwd, MLP and example tables).
 set -u
 python3 -m pip install -q --no-index --no-deps --target .site .whl/*.whl 2>/dev/null
 export PYTHONPATH=$PWD/.site:$PWD
@@ -13,16 +13,19 @@ step() { local t=$1; shift; echo "== $(date +%T) $*" >&2; timeout "$t" "$@"; ech
 git log -1 --format='%h %s' > $W/commit.txt
 for part in "$@"; do
   case $part in
-    check)
-      step 70 python3 -m benchmarks.probes.bgradb --out $W/bgradb > $W/bgradb.log 2>&1
-      mkdir -p $W/check; OUT=$W/check step 470 bash scripts/gpu_check.sh > $W/check/check.log 2>&1 ;;
+    probe) step 60 python3 -m benchmarks.probes.bgradb --out $W/bgradb > $W/bgradb.log 2>&1 ;;
+    check)  # tests, examples, forward tables (the training tables: part "training")
+      mkdir -p $W/check; SKIP_TRAINING=1 OUT=$W/check step 290 bash scripts/gpu_check.sh > $W/check/check.log 2>&1 ;;
     suite)
-      mkdir -p $W/suite; step 200 python3 -m benchmarks.run --quick --out $W/suite > $W/suite/suite.log 2>&1 ;;
+      mkdir -p $W/suite; step 190 python3 -m benchmarks.run --quick --out $W/suite > $W/suite/suite.log 2>&1 ;;
+    training)
+      mkdir -p $W/training; step 400 python3 -m benchmarks.training --out $W/training > $W/training/training.log 2>&1 ;;
   esac
 done
 kill $smi
 tar czf $OUT/x.tgz -C $W .
 [ -f $W/bgradb.log ] && tail -n 6 $W/bgradb.log | cut -c1-230
 [ -d $W/suite ] && grep -A8 "bfloat16 (bfloat16 bias), fwd" $W/suite/*.md | grep 8192 | cut -c1-220
+[ -f $W/training/training.md ] && cat $W/training/training.md | cut -c1-200
 [ -d $W/check ] && tail -n 45 $W/check/check.log | cut -c1-230
 exit 0

@@ -2,7 +2,8 @@
 # One device call of the 2026-12-03 (m) runs; everything goes into $OUT/x.tgz (the device
 # returns few files). Parts: "probe" (BGRADB), "check" (scripts/gpu_check.sh without its
 # training tables: tests, examples, forward tables), "suite" (rotated rounds, chains also
-# with x donated), "training" (benchmarks.training: fwd+bwd, MLP and example tables).
+# with x donated), "training" (benchmarks.training: fwd+bwd, MLP and example tables),
+# "tuning" (the algorithm choice at 8192x4096->1024).
 set -u
 python3 -m pip install -q --no-index --no-deps --target .site .whl/*.whl 2>/dev/null
 export PYTHONPATH=$PWD/.site:$PWD
@@ -20,10 +21,18 @@ for part in "$@"; do
       mkdir -p $W/suite; step 190 python3 -m benchmarks.run --quick --out $W/suite > $W/suite/suite.log 2>&1 ;;
     training)
       mkdir -p $W/training; step 400 python3 -m benchmarks.training --out $W/training > $W/training/training.log 2>&1 ;;
+    tuning)  # 8192x4096->1024: the tuner's choice, each of the first 8 candidates forced, the tuner checked
+      for act in relu gelu; do
+        for index in "" 0 1 2 3 4 5 6 7; do
+          step 40 python3 -m benchmarks.probes.forced_algorithm $index --shape 8192 4096 1024 --activation $act
+        done
+      done > $W/forced.txt 2> $W/forced.log
+      step 90 python3 -m benchmarks.algorithms --tuning 8192 4096 1024 RELU_BIAS GELU_BIAS > $W/tuning.txt 2>&1 ;;
   esac
 done
 kill $smi
 tar czf $OUT/x.tgz -C $W .
+[ -f $W/forced.txt ] && cat $W/forced.txt | cut -c1-250 && tail -n 30 $W/tuning.txt | cut -c1-200
 [ -f $W/bgradb.log ] && tail -n 6 $W/bgradb.log | cut -c1-230
 [ -d $W/suite ] && grep -A8 "bfloat16 (bfloat16 bias), fwd" $W/suite/*.md | grep 8192 | cut -c1-220
 [ -f $W/training/training.md ] && cat $W/training/training.md | cut -c1-200

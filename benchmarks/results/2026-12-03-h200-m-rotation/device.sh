@@ -22,12 +22,14 @@ for part in "$@"; do
     training)
       mkdir -p $W/training; step 400 python3 -m benchmarks.training --out $W/training > $W/training/training.log 2>&1 ;;
     tuning)  # 8192x4096->1024: the tuner's choice, each of the first 8 candidates forced, the tuner checked
-      for act in relu gelu; do
-        for index in "" 0 1 2 3 4 5 6 7; do
+      t0=$SECONDS  # at most ~4 minutes of processes, one per line
+      for index in "" 0 1 2 3 4 5 6 7; do
+        for act in gelu relu; do
+          [ $((SECONDS - t0)) -lt 220 ] || break 2
           step 40 python3 -m benchmarks.probes.forced_algorithm $index --shape 8192 4096 1024 --activation $act
         done
       done > $W/forced.txt 2> $W/forced.log
-      step 90 python3 -m benchmarks.algorithms --tuning 8192 4096 1024 RELU_BIAS GELU_BIAS > $W/tuning.txt 2>&1 ;;
+      step 60 python3 -m benchmarks.algorithms --tuning 8192 4096 1024 GELU_BIAS > $W/tuning.txt 2>&1 ;;
   esac
 done
 kill $smi

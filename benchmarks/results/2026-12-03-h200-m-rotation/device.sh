@@ -3,7 +3,7 @@
 # returns few files). Parts: "probe" (BGRADB), "check" (scripts/gpu_check.sh without its
 # training tables: tests, examples, forward tables), "suite" (rotated rounds, chains also
 # with x donated), "training" (benchmarks.training: fwd+bwd, MLP and example tables),
-# "tuning" (the algorithm choice at 8192x4096->1024).
+# "tuning" (the algorithm choice at 8192x4096->1024, split-K reductions allowed or not).
 set -u
 python3 -m pip install -q --no-index --no-deps --target .site .whl/*.whl 2>/dev/null
 export PYTHONPATH=$PWD/.site:$PWD
@@ -11,7 +11,6 @@ W=/tmp/w; mkdir -p $W
 nvidia-smi --query-gpu=timestamp,power.draw,clocks.sm,temperature.gpu --format=csv -lms 1000 > $W/smi.csv &
 smi=$!
 step() { local t=$1; shift; echo "== $(date +%T) $*" >&2; timeout "$t" "$@"; echo "   rc=$? $(date +%T)" >&2; }
-git log -1 --format='%h %s' > $W/commit.txt
 for part in "$@"; do
   case $part in
     probe) step 60 python3 -m benchmarks.probes.bgradb --out $W/bgradb > $W/bgradb.log 2>&1 ;;
@@ -21,20 +20,19 @@ for part in "$@"; do
       mkdir -p $W/suite; step 190 python3 -m benchmarks.run --quick --out $W/suite > $W/suite/suite.log 2>&1 ;;
     training)
       mkdir -p $W/training; step 400 python3 -m benchmarks.training --out $W/training > $W/training/training.log 2>&1 ;;
-    tuning)  # 8192x4096->1024: the tuner's choice, each of the first 8 candidates forced, the tuner checked
-      t0=$SECONDS  # at most ~4 minutes of processes, one per line
-      for index in "" 0 1 2 3 4 5 6 7; do
+    tuning)  # 8192x4096->1024: the tuner's choice, then with every split-K reduction scheme allowed
+      t0=$SECONDS  # at most ~3.5 minutes of processes, one line each
+      for args in "" "--any-reduction" "0 --any-reduction" "1 --any-reduction" "2 --any-reduction"; do
         for act in gelu relu; do
-          [ $((SECONDS - t0)) -lt 220 ] || break 2
-          step 40 python3 -m benchmarks.probes.forced_algorithm $index --shape 8192 4096 1024 --activation $act
+          [ $((SECONDS - t0)) -lt 200 ] || break 2
+          step 40 python3 -m benchmarks.probes.forced_algorithm $args --shape 8192 4096 1024 --activation $act
         done
-      done > $W/forced.txt 2> $W/forced.log
-      step 60 python3 -m benchmarks.algorithms --tuning 8192 4096 1024 GELU_BIAS > $W/tuning.txt 2>&1 ;;
+      done > $W/forced.txt 2> $W/forced.log ;;
   esac
 done
 kill $smi
 tar czf $OUT/x.tgz -C $W .
-[ -f $W/forced.txt ] && cat $W/forced.txt | cut -c1-250 && tail -n 30 $W/tuning.txt | cut -c1-200
+[ -f $W/forced.txt ] && cut -c1-400 $W/forced.txt && tail -n 5 $W/forced.log
 [ -f $W/bgradb.log ] && tail -n 6 $W/bgradb.log | cut -c1-230
 [ -d $W/suite ] && grep -A8 "bfloat16 (bfloat16 bias), fwd" $W/suite/*.md | grep 8192 | cut -c1-220
 [ -f $W/training/training.md ] && cat $W/training/training.md | cut -c1-200

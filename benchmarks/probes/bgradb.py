@@ -21,17 +21,15 @@ the GEMMs take longer than an execute's host time), with XLA's ``x.T @ dz`` and
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.forward import time_jax_interleaved, write_results
-from benchmarks.probes.dgrad import _to_device, _to_host
+from benchmarks.probes.dgrad import _to_device, _to_host, execute_us
 
 SHAPES = [(8192, 1024, 4096), (8192, 4096, 16384), (8192, 4096, 1024)]  # (M, K, N)
-REPEATS, ITERS = 7, 30
 VARIANTS = ("DEFAULT_A", "BGRADA", "DEFAULT_B", "BGRADB")
 
 
@@ -51,22 +49,13 @@ def nvmath_time(variant: str, x: np.ndarray, dz: np.ndarray):
     mm.autotune(iterations=5)
     out = mm.execute()
     db = out[1][variant.lower()] if epilog is not None else None
-    stream = cp.cuda.get_current_stream()
-    times = []
-    for _ in range(REPEATS):
-        start, end = cp.cuda.Event(), cp.cuda.Event()
-        start.record(stream)
-        for _ in range(ITERS):
-            mm.execute()
-        end.record(stream)
-        end.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, end) * 1e3 / ITERS)
+    us = execute_us(mm)
     mm.free()
     err = None
     if db is not None:
         want = dz.astype(np.float32).sum(0)
         err = float(np.max(np.abs(_to_host(cp.ascontiguousarray(db.ravel())) - want)) / np.max(np.abs(want)))
-    return statistics.median(times), err
+    return us, err
 
 
 def main(argv=None):
@@ -87,7 +76,7 @@ def main(argv=None):
                 us, err = nvmath_time(variant, np.asarray(x), np.asarray(dz))
                 row[variant] = us
                 row[f"{variant}_err"] = err
-            except Exception as exc:  # a refused variant is a result too
+            except Exception as exc:  # noqa: BLE001 -- a refused variant is a result too
                 row[variant] = None
                 row[f"{variant}_err"] = f"{type(exc).__name__}: {exc}"[:160]
         rows.append(row)

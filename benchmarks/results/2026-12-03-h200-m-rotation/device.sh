@@ -24,7 +24,7 @@ for part in "$@"; do
       t0=$SECONDS  # at most ~3.5 minutes of processes, one line each
       for args in "" "--any-reduction" "0 --any-reduction" "1 --any-reduction" "2 --any-reduction"; do
         for act in gelu relu; do
-          [ $((SECONDS - t0)) -lt 200 ] || break 2
+          [ $((SECONDS - t0)) -lt ${TUNING_S:-200} ] || break 2
           step 40 python3 -m benchmarks.probes.forced_algorithm $args --shape 8192 4096 1024 --activation $act
         done
       done > $W/forced.txt 2> $W/forced.log ;;

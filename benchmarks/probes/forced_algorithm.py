@@ -72,7 +72,7 @@ def _error(shape, activation: str) -> float:
 
 
 def _algorithm(shape) -> str:
-    """The planned algorithm's split-K count and reduction scheme (cuBLASLt's config)."""
+    """The planned algorithm's split-K count, reduction scheme, tile and stages ids."""
     from nvmath.bindings import cublasLt
 
     out = []

@@ -62,9 +62,11 @@ _ALIGNMENTS = (256, 16)
 # two); per round, one CUDA graph of back-to-back runs, at least _TUNING_RUNS and enough for
 # about _TUNING_GRAPH_US of work.
 _CANDIDATES, _TUNING_RUNS, _TUNING_GRAPH_US = 16, 5, 200.0
-# Split-K partial sums reduced in the compute type only (see Plan._choose_algorithm); a
-# probe may widen this (benchmarks/probes/forced_algorithm.py --any-reduction).
+# What cuBLASLt's heuristic is asked for (Plan._choose_algorithm): split-K partial sums
+# reduced in the compute type only, and at most this much workspace. A probe may widen
+# either (benchmarks/probes/forced_algorithm.py --any-reduction, --workspace-mib).
 _REDUCTION_SCHEMES = int(cublasLt.ReductionScheme.COMPUTE_TYPE)
+_HEURISTIC_WORKSPACE = 64 << 20
 _TUNING_WARM_US, _TUNING_WARM_GRAPHS = 100_000.0, 20
 
 # Our own tuning graphs do not restrict what other threads may do meanwhile.
@@ -312,7 +314,7 @@ class Plan:
         pref = cublasLt.matmul_preference_create()
         try:
             ifc = matmul_pref_ifc.MatmulPreferenceInterface(pref)
-            ifc.max_workspace_bytes = 64 << 20
+            ifc.max_workspace_bytes = _HEURISTIC_WORKSPACE
             ifc.reduction_scheme_mask = _REDUCTION_SCHEMES
             ifc.min_alignment_a_bytes = self.alignment
             ifc.min_alignment_b_bytes = self.alignment

@@ -1,6 +1,6 @@
 """Does the autotuner's algorithm cost fused_dense its forward at one shape?
 
-    python -m benchmarks.probes.forced_algorithm [INDEX] [--shape M K N] [--activation relu|gelu] [--any-reduction]
+    python -m benchmarks.probes.forced_algorithm [INDEX] [--shape M K N] [--activation relu|gelu] [--any-reduction] [--workspace-mib N]
 
 Times ``fused_dense(implementation="cublaslt")`` against XLA's jit of ``act(x @ w + b)``,
 nvmath-python's ``Matmul`` (its own first heuristic choice) and ``torch._addmm_activation``
@@ -9,7 +9,9 @@ plan's algorithm forced to cuBLASLt heuristic candidate INDEX (as numbered by
 ``python -m benchmarks.algorithms --tuning``); without INDEX, the autotuner's own choice.
 Default: 8192x4096->16384, ReLU. ``--any-reduction``: the candidates come from cuBLASLt's
 heuristic with every split-K reduction scheme allowed (jax_epilog allows only reductions in
-the compute type), as nvmath's and PyTorch's own plans do. Run one process per index: plans
+the compute type), as nvmath's and PyTorch's own plans do. ``--workspace-mib``: the
+workspace the heuristic may ask for (jax_epilog: 64 MiB; nvmath offers most of the device).
+Run one process per index: plans
 are cached per process. Prints one line: the times, the plan's split-K count and reduction
 scheme, and fused_dense's error against float32 arithmetic on the same bf16 inputs
 (relative to the largest output); for the tuner's choice, each candidate's tuning time.
@@ -37,17 +39,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shape", nargs=3, type=int, default=SHAPE, metavar=("M", "K", "N"))
     parser.add_argument("--activation", choices=("relu", "gelu"), default="relu")
     parser.add_argument("--any-reduction", action="store_true")
+    parser.add_argument("--workspace-mib", type=int, default=None)
     args = parser.parse_args(argv)
     forced, shape = args.index, tuple(args.shape)
     if args.any_reduction:
         _nvmath._REDUCTION_SCHEMES = 7  # CUBLASLT_REDUCTION_SCHEME_MASK: in place, compute or output type
+    if args.workspace_mib is not None:
+        _nvmath._HEURISTIC_WORKSPACE = args.workspace_mib << 20
     if forced is not None:  # the "timings" make the tuner pick candidate ``forced``
         _nvmath.Plan._time_candidates = lambda self, h: [0.0 if i == forced else 1.0 for i in range(len(h))]
     case = run.Case(*shape, "bfloat16", "bfloat16", args.activation, "fwd")
     rows = run.run_group(case, list(CONTENDERS), run.Inputs(case), run.QUICK)
     us = {r["contender"]: r["us"] for r in rows}
-    label = ("tuner's choice" if forced is None else f"candidate {forced}") + (
-        " (any reduction)" if args.any_reduction else ""
+    label = (
+        ("tuner's choice" if forced is None else f"candidate {forced}")
+        + (" (any reduction)" if args.any_reduction else "")
+        + (f" ({args.workspace_mib} MiB workspace)" if args.workspace_mib is not None else "")
     )
     peers = ", ".join(f"{name} {us[name]:.1f} µs" if us[name] else f"{name} —" for name in CONTENDERS[1:])
     print(

@@ -62,12 +62,12 @@ _ALIGNMENTS = (256, 16)
 # two); per round, one CUDA graph of back-to-back runs, at least _TUNING_RUNS and enough for
 # about _TUNING_GRAPH_US of work.
 _CANDIDATES, _TUNING_RUNS, _TUNING_GRAPH_US = 16, 5, 200.0
+_TUNING_WARM_US, _TUNING_WARM_GRAPHS = 100_000.0, 20
 # What cuBLASLt's heuristic is asked for (Plan._choose_algorithm): split-K partial sums
 # reduced in the compute type only, and at most this much workspace. A probe may widen
 # either (benchmarks/probes/forced_algorithm.py --any-reduction, --workspace-mib).
 _REDUCTION_SCHEMES = int(cublasLt.ReductionScheme.COMPUTE_TYPE)
 _HEURISTIC_WORKSPACE = 64 << 20
-_TUNING_WARM_US, _TUNING_WARM_GRAPHS = 100_000.0, 20
 
 # Our own tuning graphs do not restrict what other threads may do meanwhile.
 _CAPTURE_RELAXED = int(cudart.cudaStreamCaptureMode.cudaStreamCaptureModeRelaxed)

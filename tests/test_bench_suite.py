@@ -327,7 +327,7 @@ def test_command_buffer_verdict():
     assert run.command_buffer_verdict(0, 3392, False).startswith("n/a")
 
 
-def test_host_section_times_each_chain_variant_on_cpu(capsys):
+def test_host_section_times_each_chain_variant_on_cpu():
     settings = run.Settings(samples=1, min_calls=2, sample_s=0.0, warmup=1)
     progress = run.Progress(run.N_HOST)
     host = run.bench_host(settings, scale=16, progress=progress, on_gpu=False)

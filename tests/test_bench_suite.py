@@ -571,3 +571,31 @@ def test_forward_in_four_runs_the_single_layer_four_times():
         assert len(outs) == 4, name
         for i, y in enumerate(outs):
             np.testing.assert_allclose(y, layer(x * (1 + i / 8), w, b), rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_dz_pallas_probe_kernel_matches_the_reference_on_partial_blocks(activation):
+    from benchmarks.probes import dz_pallas
+    from jax_epilog._epilogs import Activation
+
+    act = Activation(activation)
+    m, n = 45, 150  # neither a multiple of the 32x128 block
+    dy, aux = dz_pallas._operands(m, n, act, seed=int(np.random.default_rng().integers(1 << 30)))
+    want_dz, want_db = jax.jit(dz_pallas._xla("xla_dz_sum", act))(dy, aux)
+    dz, db = dz_pallas.dz_and_sum(dy, aux, act, 32, 128, interpret=True)
+    assert dz.shape == (m, n) and db.shape == (n,)
+    np.testing.assert_allclose(np.asarray(dz, np.float32), np.asarray(want_dz, np.float32), rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(db, want_db, rtol=2e-2, atol=5e-2)
+    _, db_only = dz_pallas.dz_and_sum(dy, aux, act, 32, 128, store_dz=False, interpret=True)
+    # (without the dz store XLA may skip dz's rounding to bfloat16 before the sum)
+    np.testing.assert_allclose(db_only, want_db, rtol=2e-2, atol=5e-2)
+
+
+def test_kernel_profile_peer_case_runs_the_suites_call(monkeypatch):
+    from benchmarks.probes import kernels
+
+    monkeypatch.setattr(kernels, "PEER_SHAPE", (24, 40, 56))
+    assert {f"peer-gelu-{c}" for c in ("jax_epilog", "xla", "nvmath", "torch_addmm_act")} <= set(kernels.cases())
+    step, args = kernels._peer_case("relu", "jax_epilog")
+    y = jax.block_until_ready(step(*args))
+    assert y.shape == (24, 56) and float(jnp.min(y)) == 0.0 and float(jnp.max(y)) > 0.0

@@ -14,9 +14,10 @@ equal and above the GPU's busy time, the program is bound by its host cost.
 
 Cases: the forward at 8192x4096->16384 bf16 (ReLU, GELU), fused and XLA, one layer per call
 and four per call as in benchmarks.forward's "in 4" rows (XLA's single call has timed up to 5%
-faster than its own four-to-a-call rate there); fwd+bwd ``jax.grad`` of
-``sum(act(x @ w + b))`` at 8192x1024->4096 bf16 for XLA's
-plain expression, ``fused_dense(implementation="cublaslt")`` and the fused forward with
+faster than its own four-to-a-call rate there); the suite's forward calls at 8192x4096->1024
+(ReLU, GELU) of the fused call, XLA, nvmath's ``Matmul`` and ``torch._addmm_activation``
+("peer-..."); fwd+bwd ``jax.grad`` of ``sum(act(x @ w + b))`` at 8192x1024->4096 bf16 for
+XLA's plain expression, ``fused_dense(implementation="cublaslt")`` and the fused forward with
 XLA's backward (benchmarks.backward_variants); 16-layer chains at 256x1024->1024 with the
 weights stacked or per layer (benchmarks.chain_layout), fused and XLA; the MLP block of
 ``benchmarks.training --part mlp`` at 8192 and 2048 rows, XLA and ``fused_mlp`` linked. Writes
@@ -28,7 +29,9 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import glob
+import itertools
 import gzip
 import json
 import os
@@ -41,6 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import run
 from benchmarks.backward_variants import LOSSES
 from benchmarks.backward_variants import layers as grad_layers
 from benchmarks.forward import (
@@ -95,6 +99,42 @@ def _chain_case(activation: str, layout: str, name: str, depth: int = 16, donate
     return feedback(program, x, ws, bs), ()  # each result is the next (donated) input
 
 
+# The peers' contexts (nvmath plans, torch's no_grad) stay open until the process ends.
+_OPEN = contextlib.ExitStack()
+PEER_SHAPE = (8192, 4096, 1024)  # where nvmath and PyTorch time ahead of the fused call
+
+
+class _Synchronized:
+    """A peer's result: ``jax.block_until_ready`` waits for the whole device."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def block_until_ready(self):
+        import cupy as cp
+
+        cp.cuda.Device().synchronize()
+        return self
+
+
+def _peer_case(activation: str, contender: str):
+    """The suite's own call of ``contender`` (benchmarks.run: its rotated input sets, the
+    same plans) at PEER_SHAPE, bf16 forward: CUPTI's kernel times beside the suite's clocks."""
+    case = run.Case(*PEER_SHAPE, "bfloat16", "bfloat16", activation, "fwd")
+    inputs = run.Inputs(case)
+    if contender in run.BENCH:
+        call, _ = _OPEN.enter_context(run.BENCH[contender](case, contender, inputs))
+    else:
+        ((call, _),) = run._jax_timed(case, [contender], inputs)
+    counter = itertools.count()
+
+    def step():
+        out = call(next(counter))
+        return out if contender not in run.BENCH else _Synchronized(out)
+
+    return step, ()
+
+
 def _mlp_case(rows: int, contender: str):
     """fwd+bwd of the MLP block gelu(x @ w1 + b1) @ w2 + b2 (benchmarks.training), D = 1024."""
     return mlp_grad_step(contender), mlp_inputs(rows, 1024)
@@ -106,6 +146,9 @@ def cases() -> dict:
         for name in ("xla", "fused"):
             out[f"fwd-{act}-{name}"] = ("fwd", partial(_forward_case, act, name))
             out[f"fwd-{act}-{name}-in4"] = ("fwd", partial(_forward_case, act, name, four=True))
+    for act in ("relu", "gelu"):
+        for contender in ("jax_epilog", "xla", "nvmath", "torch_addmm_act"):
+            out[f"peer-{act}-{contender}"] = ("fwd", partial(_peer_case, act, contender))
     for rows in (8192, 2048):  # where fused_mlp's DGELU link measured faster, and slower
         for contender in ("xla", "fused_mlp_cublaslt"):
             out[f"mlp-{rows}-{contender}"] = ("grad", partial(_mlp_case, rows, contender))

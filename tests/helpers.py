@@ -34,12 +34,14 @@ def np_dtype(dtype) -> np.dtype:
     return np.dtype(ml_dtypes.bfloat16) if dtype in ("bfloat16", jnp.bfloat16) else np.dtype(dtype)
 
 
-def assert_near(actual, expected, tol, what=""):
-    """``|actual - expected| <= tol * (max|expected| + |expected|)`` elementwise."""
+def assert_near(actual, expected, tol, what="", scale=None):
+    """``|actual - expected| <= tol * (scale + |expected|)`` elementwise; ``scale`` defaults
+    to ``max|expected|``."""
     actual = np.asarray(actual, np.float64)
     expected = np.asarray(expected, np.float64)
     assert actual.shape == expected.shape, f"{what}: {actual.shape} != {expected.shape}"
-    scale = float(np.max(np.abs(expected), initial=0.0))
+    if scale is None:
+        scale = float(np.max(np.abs(expected), initial=0.0))
     np.testing.assert_allclose(actual, expected, rtol=tol, atol=tol * max(scale, 1e-30), err_msg=what)
 
 

@@ -1,6 +1,6 @@
 """Probe: can one Pallas (Triton) kernel form the backward's dz and bias gradient faster than XLA?
 
-    python -m benchmarks.probes.dz_pallas [--out DIR] [--interpret]
+    python -m benchmarks.probes.dz_pallas [--out DIR] [--shape M N ...] [--interpret]
 
 The backward of ``act(x @ w + b)`` needs ``dz = dy * act'(z)`` (from the forward's aux: the
 ReLU bit-mask or the GELU input z) and ``db = dz.sum(0)``. In XLA's own fwd+bwd profile
@@ -143,13 +143,15 @@ def check(activation, bm, bn, interpret) -> list[str]:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None)
+    parser.add_argument("--shape", nargs=2, type=int, action="append", metavar=("M", "N"))
     parser.add_argument("--interpret", action="store_true", help="Pallas interpreter (CPU), small shapes")
     args = parser.parse_args(argv)
-    shapes = [(256, 384)] if args.interpret else SHAPES
+    shapes = [tuple(s) for s in args.shape] if args.shape else [(256, 384)] if args.interpret else SHAPES
     blocks = BLOCKS[:1] if args.interpret else BLOCKS
     rows, lines = [], []
     for activation in (Activation.RELU, Activation.GELU):
         lines += check(activation, *blocks[0], args.interpret)
+        print("\n".join(lines[-len(CHECK_SHAPES):]), flush=True)
         for m, n in shapes:
             sets = [_operands(m, n, activation, seed=s) for s in range(SETS)]
             dy, aux = sets[0]
@@ -178,8 +180,8 @@ def main(argv=None):
                     f"  ({gb / us * 1e6 / 1e3:5.2f} TB/s for dy+aux+dz)"
                     + (f"  db err {errors[name]:.1e}" if name in errors else "")
                 )
+                print(lines[-1], flush=True)
     table = "\n".join(lines)
-    print(table)
     if args.out:
         write_results(args.out, "dz_pallas", rows, "```\n" + table + "\n```\n")
 

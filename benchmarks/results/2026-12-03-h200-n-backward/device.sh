@@ -13,7 +13,7 @@ smi=$!
 step() { local t=$1; shift; echo "== $(date +%T) $*" >&2; timeout "$t" "$@"; echo "   rc=$? $(date +%T)" >&2; }
 for part in "$@"; do
   case $part in
-    dz) step 150 python3 -m benchmarks.probes.dz_pallas --out $W/dz > $W/dz.log 2>&1 ;;
+    dz) step 240 python3 -m benchmarks.probes.dz_pallas --out $W/dz ${DZ_ARGS:-} > $W/dz.log 2>&1 ;;
     workspace)  # 8192x4096->1024: 64 MiB (jax_epilog's allowance) against 1 GiB, one process each
       for args in "" "--workspace-mib 1024" "--workspace-mib 1024 --any-reduction"; do
         for act in relu gelu; do

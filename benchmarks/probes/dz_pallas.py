@@ -135,8 +135,12 @@ def check(activation, bm, bn, interpret) -> list[str]:
     for m, n in CHECK_SHAPES:
         dy, aux = _operands(m, n, activation, seed=m + n)
         want_dz, want_db = jax.jit(_xla("xla_dz_sum", activation))(dy, aux)
-        dz, db = jax.jit(functools.partial(dz_and_sum, activation=activation, bm=bm, bn=bn, interpret=interpret))(dy, aux)
-        lines.append(f"check {activation.value} {m}x{n} {bm}x{bn}: dz {_err(dz, want_dz):.2e} db {_err(db, want_db):.2e}")
+        dz, db = jax.jit(
+            functools.partial(dz_and_sum, activation=activation, bm=bm, bn=bn, interpret=interpret)
+        )(dy, aux)
+        lines.append(
+            f"check {activation.value} {m}x{n} {bm}x{bn}: dz {_err(dz, want_dz):.2e} db {_err(db, want_db):.2e}"
+        )
     return lines
 
 
@@ -151,7 +155,7 @@ def main(argv=None):
     rows, lines = [], []
     for activation in (Activation.RELU, Activation.GELU):
         lines += check(activation, *blocks[0], args.interpret)
-        print("\n".join(lines[-len(CHECK_SHAPES):]), flush=True)
+        print("\n".join(lines[-len(CHECK_SHAPES) :]), flush=True)
         for m, n in shapes:
             sets = [_operands(m, n, activation, seed=s) for s in range(SETS)]
             dy, aux = sets[0]
@@ -162,18 +166,32 @@ def main(argv=None):
                 for store in (True, False):
                     name = f"pallas_{'dz_sum' if store else 'sum'} {bm}x{bn}"
                     f = functools.partial(
-                        dz_and_sum, activation=activation, bm=bm, bn=bn, store_dz=store, interpret=args.interpret
+                        dz_and_sum,
+                        activation=activation,
+                        bm=bm,
+                        bn=bn,
+                        store_dz=store,
+                        interpret=args.interpret,
                     )
                     try:
                         errors[name] = _err(jax.jit(f)(dy, aux)[1], want_db)
                         cases[name] = f
-                    except Exception as exc:  # a block size the lowering refuses: say so, go on
-                        lines.append(f"{name} {activation.value} {m}x{n}: {type(exc).__name__}: {str(exc)[:200]}")
+                    except Exception as exc:  # noqa: BLE001 -- a block size the lowering refuses: say so, go on
+                        lines.append(
+                            f"{name} {activation.value} {m}x{n}: {type(exc).__name__}: {str(exc)[:200]}"
+                        )
             times = time_jax_interleaved(*((_over_sets(f), (sets,)) for f in cases.values()))
             times = [t / SETS for t in times]
             gb = (dy.nbytes + aux.nbytes + dy.nbytes) / 1e9  # read dy and aux, write dz
             for (name, _), us in zip(cases.items(), times):
-                row = dict(activation=activation.value, m=m, n=n, case=name, us=us, db_err=errors.get(name))
+                row = {
+                    "activation": activation.value,
+                    "m": m,
+                    "n": n,
+                    "case": name,
+                    "us": us,
+                    "db_err": errors.get(name),
+                }
                 rows.append(row)
                 lines.append(
                     f"{activation.value:4} {m}x{n} {name:22} {us:8.1f} µs"

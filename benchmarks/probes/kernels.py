@@ -31,8 +31,8 @@ import argparse
 import collections
 import contextlib
 import glob
-import itertools
 import gzip
+import itertools
 import json
 import os
 import re

@@ -16,7 +16,8 @@ Cases: the forward at 8192x4096->16384 bf16 (ReLU, GELU), fused and XLA, one lay
 and four per call as in benchmarks.forward's "in 4" rows (XLA's single call has timed up to 5%
 faster than its own four-to-a-call rate there); the suite's forward calls at 8192x4096->1024
 (ReLU, GELU) of the fused call, XLA, nvmath's ``Matmul`` and ``torch._addmm_activation``
-("peer-..."); fwd+bwd ``jax.grad`` of ``sum(act(x @ w + b))`` at 8192x1024->4096 bf16 for
+("peer-..."), and at 8192x4096->16384 the fused call beside "auto" ("auto-...", the same
+plan: they have timed 1-3% apart in the suite); fwd+bwd ``jax.grad`` of ``sum(act(x @ w + b))`` at 8192x1024->4096 bf16 for
 XLA's plain expression, ``fused_dense(implementation="cublaslt")`` and the fused forward with
 XLA's backward (benchmarks.backward_variants); 16-layer chains at 256x1024->1024 with the
 weights stacked or per layer (benchmarks.chain_layout), fused and XLA; the MLP block of
@@ -117,10 +118,11 @@ class _Synchronized:
         return self
 
 
-def _peer_case(activation: str, contender: str):
+def _peer_case(activation: str, contender: str, shape=None):
     """The suite's own call of ``contender`` (benchmarks.run: its rotated input sets, the
-    same plans) at PEER_SHAPE, bf16 forward: CUPTI's kernel times beside the suite's clocks."""
-    case = run.Case(*PEER_SHAPE, "bfloat16", "bfloat16", activation, "fwd")
+    same plans) at ``shape`` (default PEER_SHAPE), bf16 forward: CUPTI's kernel times
+    beside the suite's clocks."""
+    case = run.Case(*(shape or PEER_SHAPE), "bfloat16", "bfloat16", activation, "fwd")
     inputs = run.Inputs(case)
     if contender in run.BENCH:
         call, _ = _OPEN.enter_context(run.BENCH[contender](case, contender, inputs))
@@ -149,6 +151,8 @@ def cases() -> dict:
     for act in ("relu", "gelu"):
         for contender in ("jax_epilog", "xla", "nvmath", "torch_addmm_act"):
             out[f"peer-{act}-{contender}"] = ("fwd", partial(_peer_case, act, contender))
+        for contender in ("jax_epilog", "jax_epilog_auto"):  # one plan, two programs
+            out[f"auto-{act}-{contender}"] = ("fwd", partial(_peer_case, act, contender, (8192, 4096, 16384)))
     for rows in (8192, 2048):  # where fused_mlp's DGELU link measured faster, and slower
         for contender in ("xla", "fused_mlp_cublaslt"):
             out[f"mlp-{rows}-{contender}"] = ("grad", partial(_mlp_case, rows, contender))

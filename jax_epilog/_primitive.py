@@ -10,6 +10,7 @@ cuBLASLt accepts the problem (checked by planning it at lowering time, so a refu
 reaches a running program). Everywhere else, and for whatever the fast path cannot take
 (float64, empty dimensions, a refused problem), it lowers to ``_reference.dense``: the same
 outputs in the same aux layout. Falling back on a GPU is announced once with a warning.
+Over several devices every lowering first splits the primitive by rows (``_sharding``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from jax.interpreters import batching, mlir
 
 from . import _reference
 from ._epilogs import ComputeType, EpilogSpec, aux_dtype, aux_padded_width, epilog_name
+from ._sharding import Rows, partitioned_lowering
 
 __all__ = ["FastPathWarning", "fused_gelu_input_grad", "fused_matmul", "fused_weight_grad"]
 
@@ -50,8 +52,8 @@ def fused_matmul(x, kernel, bias, *, activation, with_aux, compute_type, d_dtype
     )
 
 
-def _abstract_eval(x, kernel, *bias, activation, with_aux, compute_type, d_dtype, out_dtype):
-    del bias, compute_type
+def _abstract_eval(x, kernel, *bias, activation, with_aux, compute_type, d_dtype, out_dtype, partitioned=False):
+    del bias, compute_type, partitioned
     m, n = x.shape[0], kernel.shape[1]
     outs = [jax.core.ShapedArray((m, n), out_dtype)]
     if with_aux:
@@ -86,7 +88,14 @@ def _impl_of(primitive: Primitive):
 
 fused_matmul_p.def_impl(_impl_of(fused_matmul_p))
 _reference_lowering = mlir.lower_fun(_reference_impl, multiple_results=True)
-mlir.register_lowering(fused_matmul_p, _reference_lowering)
+# Over several devices: x's rows (M) split as they come, y and the aux split alike.
+_ROWS = Rows(
+    args=(0,),
+    results=(0, 1),
+    summed=(),
+    rule=lambda nargs, nouts: "m k, k n" + ", n" * (nargs == 3) + " -> m n" + ", m a" * (nouts == 2),
+)
+mlir.register_lowering(fused_matmul_p, partitioned_lowering(fused_matmul_p, _reference_lowering, _ROWS))
 
 
 def spec_of(x_aval, kernel_aval, bias_aval, activation, with_aux, compute_type, d_dtype):
@@ -168,7 +177,7 @@ def _cuda_lowering(ctx, x, kernel, *bias, activation, with_aux, compute_type, d_
     return _lower_fused_or_reference(ctx, (x, kernel, *bias), spec, _reference_lowering, params, fused)
 
 
-mlir.register_lowering(fused_matmul_p, _cuda_lowering, platform="cuda")
+mlir.register_lowering(fused_matmul_p, partitioned_lowering(fused_matmul_p, _cuda_lowering, _ROWS), platform="cuda")
 
 
 def _batch(args, dims, **params):
@@ -210,8 +219,8 @@ def fused_weight_grad(x, dz, *, compute_type, d_dtype):
     return fused_weight_grad_p.bind(x, dz, compute_type=compute_type, d_dtype=np.dtype(d_dtype))
 
 
-def _wgrad_abstract_eval(x, dz, *, compute_type, d_dtype):
-    del compute_type
+def _wgrad_abstract_eval(x, dz, *, compute_type, d_dtype, partitioned=False):
+    del compute_type, partitioned
     k, n = x.shape[1], dz.shape[1]
     return [jax.core.ShapedArray((k, n), d_dtype), jax.core.ShapedArray((n,), d_dtype)]
 
@@ -223,7 +232,11 @@ def _wgrad_reference_impl(x, dz, *, compute_type, d_dtype):
 fused_weight_grad_p.def_abstract_eval(_wgrad_abstract_eval)
 fused_weight_grad_p.def_impl(_impl_of(fused_weight_grad_p))
 _wgrad_reference_lowering = mlir.lower_fun(_wgrad_reference_impl, multiple_results=True)
-mlir.register_lowering(fused_weight_grad_p, _wgrad_reference_lowering)
+# Over several devices: x's and dz's rows split alike; both gradients summed over them.
+_WGRAD_ROWS = Rows(args=(0, 1), results=(), summed=(0, 1), rule=lambda nargs, nouts: "m k, m n -> k n, n")
+mlir.register_lowering(
+    fused_weight_grad_p, partitioned_lowering(fused_weight_grad_p, _wgrad_reference_lowering, _WGRAD_ROWS)
+)
 
 
 def _wgrad_cuda_lowering(ctx, x, dz, *, compute_type, d_dtype):
@@ -249,7 +262,11 @@ def _wgrad_cuda_lowering(ctx, x, dz, *, compute_type, d_dtype):
     return _lower_fused_or_reference(ctx, (x, dz), spec, _wgrad_reference_lowering, params, fused)
 
 
-mlir.register_lowering(fused_weight_grad_p, _wgrad_cuda_lowering, platform="cuda")
+mlir.register_lowering(
+    fused_weight_grad_p,
+    partitioned_lowering(fused_weight_grad_p, _wgrad_cuda_lowering, _WGRAD_ROWS),
+    platform="cuda",
+)
 
 
 # Each batch member has its own gradient: one fused call per member, in a loop.
@@ -268,8 +285,8 @@ def fused_gelu_input_grad(dz, kernel, aux, *, compute_type):
     return fused_gelu_input_grad_p.bind(dz, kernel, aux, compute_type=compute_type)
 
 
-def _igrad_abstract_eval(dz, kernel, aux, *, compute_type):
-    del compute_type
+def _igrad_abstract_eval(dz, kernel, aux, *, compute_type, partitioned=False):
+    del compute_type, partitioned
     return [jax.core.ShapedArray((dz.shape[0], kernel.shape[0]), aux.dtype)]
 
 
@@ -280,7 +297,12 @@ def _igrad_reference_impl(dz, kernel, aux, *, compute_type):
 fused_gelu_input_grad_p.def_abstract_eval(_igrad_abstract_eval)
 fused_gelu_input_grad_p.def_impl(_impl_of(fused_gelu_input_grad_p))
 _igrad_reference_lowering = mlir.lower_fun(_igrad_reference_impl, multiple_results=True)
-mlir.register_lowering(fused_gelu_input_grad_p, _igrad_reference_lowering)
+# Over several devices: dz's and the aux's rows split alike, and the result's with them.
+_IGRAD_ROWS = Rows(args=(0, 2), results=(0,), summed=(), rule=lambda nargs, nouts: "m n, k n, m a -> m k")
+mlir.register_lowering(
+    fused_gelu_input_grad_p,
+    partitioned_lowering(fused_gelu_input_grad_p, _igrad_reference_lowering, _IGRAD_ROWS),
+)
 
 
 def _igrad_cuda_lowering(ctx, dz, kernel, aux, *, compute_type):
@@ -306,7 +328,11 @@ def _igrad_cuda_lowering(ctx, dz, kernel, aux, *, compute_type):
     return _lower_fused_or_reference(ctx, (dz, kernel, aux), spec, _igrad_reference_lowering, params, fused)
 
 
-mlir.register_lowering(fused_gelu_input_grad_p, _igrad_cuda_lowering, platform="cuda")
+mlir.register_lowering(
+    fused_gelu_input_grad_p,
+    partitioned_lowering(fused_gelu_input_grad_p, _igrad_cuda_lowering, _IGRAD_ROWS),
+    platform="cuda",
+)
 
 
 def _igrad_batch(args, dims, **params):

@@ -2,7 +2,12 @@ import os
 import secrets
 import zlib
 
-import jax
+# Four virtual CPU devices for the tests that split fused_dense over several devices
+# (test_sharding.py). XLA reads the flag when jax starts; it changes nothing for the GPU.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4".strip()
+
+import jax  # (after XLA_FLAGS)
 import numpy as np
 import pytest
 

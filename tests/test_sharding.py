@@ -1,0 +1,207 @@
+"""fused_dense and fused_mlp over several devices (four virtual CPU devices, conftest.py).
+
+The primitives split by rows through custom_partitioning (jax_epilog/_sharding.py) on every
+platform, so these CPU tests run the same partitioning rules a multi-GPU program does: each
+device must compute its own rows only (the spies below record the shapes the per-device
+computation sees), the results must equal the float64 reference, and the weight gradients
+must be summed over the devices exactly once.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import act_fn
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_epilog
+from jax_epilog import _reference
+
+fused_dense = functools.partial(jax_epilog.fused_dense, implementation="cublaslt")
+CPUS = jax.devices("cpu")
+pytestmark = pytest.mark.skipif(len(CPUS) < 4, reason="needs 4 CPU devices (conftest.py sets XLA_FLAGS)")
+TOL = 1e-12  # float64: the only differences are the order of the sums
+
+
+def mesh(*shape_and_names):
+    shape, names = shape_and_names[: len(shape_and_names) // 2], shape_and_names[len(shape_and_names) // 2 :]
+    return Mesh(np.array(CPUS[: int(np.prod(shape))]).reshape(shape), names)
+
+
+@pytest.fixture
+def seen(monkeypatch):
+    """The (rows, K, N) of every per-device forward and weight gradient that gets traced."""
+    shapes = {"dense": [], "weight_grad": []}
+
+    def spy(name):
+        original = getattr(_reference, name)
+
+        def wrapper(a, b, *args, **kwargs):
+            shapes[name].append((a.shape[0], a.shape[1], b.shape[1]))
+            return original(a, b, *args, **kwargs)
+
+        monkeypatch.setattr(_reference, name, wrapper)
+
+    spy("dense")
+    spy("weight_grad")
+    return shapes
+
+
+def operands(rng, m, k, n):
+    x = rng.standard_normal((m, k))
+    w = rng.standard_normal((k, n)) / np.sqrt(k)
+    b = rng.standard_normal(n)
+    return x, w, b
+
+
+def put(mesh_, array, *spec):
+    return jax.device_put(array, NamedSharding(mesh_, P(*spec)))
+
+
+def reference(x, w, b, activation):
+    return act_fn(activation)(jnp.asarray(x) @ w + (0.0 if b is None else b))
+
+
+def assert_near(actual, expected):
+    expected = np.asarray(expected)
+    np.testing.assert_allclose(np.asarray(actual), expected, rtol=TOL, atol=TOL * np.abs(expected).max())
+
+
+def collectives(compiled_text: str) -> dict[str, int]:
+    return {op: compiled_text.count(f" {op}(") for op in ("all-gather", "all-reduce", "all-to-all")}
+
+
+@pytest.mark.parametrize("activation", [None, "relu", "gelu"])
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
+def test_forward_computes_each_devices_rows_on_that_device(rng, seen, activation, with_bias):
+    m4 = mesh(4, "data")
+    x, w, b = operands(rng, 4 * 13, 29, 37)
+    b = b if with_bias else None
+    args = (put(m4, x, "data"), put(m4, w), None if b is None else put(m4, b))
+    f = jax.jit(lambda x, w, b: fused_dense(x, w, b, activation=activation))
+    y = f(*args)
+    assert_near(y, reference(x, w, b, activation))
+    assert y.sharding.spec[0] == "data"
+    assert seen["dense"] == [(13, 29, 37)]  # one device's rows, whole weights
+    assert collectives(f.lower(*args).compile().as_text()) == {
+        "all-gather": 0,
+        "all-reduce": 0,
+        "all-to-all": 0,
+    }
+
+
+@pytest.mark.parametrize("activation", [None, "relu", "gelu"])
+def test_gradients_sum_the_devices_weight_gradients_once(rng, seen, activation):
+    m4 = mesh(4, "data")
+    x, w, b = operands(rng, 4 * 11, 23, 19)
+    dy = rng.standard_normal((4 * 11, 19))
+
+    def loss(f):
+        return lambda x, w, b, dy: jnp.sum(f(x, w, b) * dy)
+
+    grad = jax.jit(
+        jax.grad(loss(lambda x, w, b: fused_dense(x, w, b, activation=activation)), argnums=(0, 1, 2))
+    )
+    args = (put(m4, x, "data"), put(m4, w), put(m4, b), put(m4, dy, "data"))
+    got = grad(*args)
+    want = jax.grad(loss(lambda x, w, b: reference(x, w, b, activation)), argnums=(0, 1, 2))(x, w, b, dy)
+    for g, r in zip(got, want):
+        assert_near(g, r)
+    assert got[0].sharding.spec[0] == "data"
+    assert got[1].sharding.is_fully_replicated and got[2].sharding.is_fully_replicated
+    assert seen["weight_grad"] == [(11, 23, 19)]
+    text = grad.lower(*args).compile().as_text()
+    assert collectives(text)["all-gather"] == 0
+    assert collectives(text)["all-reduce"] >= 1  # the kernel and bias gradients' sums
+
+
+def test_rows_split_over_two_mesh_axes_and_weights_split_along_n(rng, seen):
+    """Rows over ("data", "fsdp") together; the kernel and bias split along N (as FSDP or
+    tensor parallelism store them) are gathered whole for the GEMM."""
+    m22 = mesh(2, 2, "data", "fsdp")
+    x, w, b = operands(rng, 4 * 5, 17, 24)
+    dy = rng.standard_normal((4 * 5, 24))
+    args = (put(m22, x, ("data", "fsdp")), put(m22, w, None, "fsdp"), put(m22, b, "fsdp"))
+
+    def loss(f):
+        return lambda x, w, b: jnp.sum(f(x, w, b) * dy)
+
+    fused = loss(lambda x, w, b: fused_dense(x, w, b, activation="gelu"))
+    value, got = jax.jit(jax.value_and_grad(fused, argnums=(0, 1, 2)))(*args)
+    want_value, want = jax.value_and_grad(
+        loss(lambda x, w, b: reference(x, w, b, "gelu")), argnums=(0, 1, 2)
+    )(x, w, b)
+    np.testing.assert_allclose(float(value), float(want_value), rtol=TOL)
+    for g, r in zip(got, want):
+        assert_near(g, r)
+    assert seen["dense"] == [(5, 17, 24)] and seen["weight_grad"] == [(5, 17, 24)]
+
+
+def test_rows_that_do_not_divide_evenly_are_gathered(rng, seen):
+    """30 of 32 split rows (a slice inside the jit): no device gets a padded block."""
+    m4 = mesh(4, "data")
+    x, w, b = operands(rng, 4 * 8, 9, 11)
+
+    def loss(f):
+        return lambda x, w, b: jnp.sum(f(x[:30], w, b) ** 2)
+
+    f = jax.jit(jax.grad(loss(lambda x, w, b: fused_dense(x, w, b, activation="relu")), argnums=(0, 1, 2)))
+    got = f(put(m4, x, "data"), put(m4, w), put(m4, b))
+    want = jax.grad(loss(lambda x, w, b: reference(x, w, b, "relu")), argnums=(0, 1, 2))(x, w, b)
+    for g, r in zip(got, want):
+        assert_near(g, r)
+    assert seen["dense"] == [(30, 9, 11)] and seen["weight_grad"] == [(30, 9, 11)]
+
+
+def test_inside_shard_map_each_device_runs_its_block(rng, seen):
+    m4 = mesh(4, "data")
+    x, w, b = operands(rng, 4 * 6, 10, 13)
+    f = jax.jit(
+        jax.shard_map(
+            lambda x, w, b: fused_dense(x, w, b, activation="relu"),
+            mesh=m4,
+            in_specs=(P("data"), P(), P()),
+            out_specs=P("data"),
+        )
+    )
+    assert_near(f(put(m4, x, "data"), put(m4, w), put(m4, b)), reference(x, w, b, "relu"))
+    assert seen["dense"] == [(6, 10, 13)]
+
+
+def test_fused_mlp_over_split_rows(rng, seen):
+    """fused_mlp's linked backward (the GELU layer's dz from the next GEMM) on split rows."""
+    m4 = mesh(4, "data")
+    x, w1, b1 = operands(rng, 4 * 9, 12, 20)
+    _, w2, b2 = operands(rng, 1, 20, 7)
+    dy = rng.standard_normal((4 * 9, 7))
+
+    def loss(mlp):
+        return lambda x, w1, b1, w2, b2: jnp.sum(mlp(x, w1, b1, w2, b2) * dy)
+
+    fused = loss(
+        lambda x, w1, b1, w2, b2: jax_epilog.fused_mlp(
+            x, [(w1, b1), (w2, b2)], ["gelu", None], implementation="cublaslt"
+        )
+    )
+    plain = loss(lambda x, w1, b1, w2, b2: reference(reference(x, w1, b1, "gelu"), w2, b2, None))
+    args = (x, w1, b1, w2, b2)
+    sharded = (put(m4, x, "data"), *(put(m4, a) for a in args[1:]))
+    got = jax.jit(jax.grad(fused, argnums=tuple(range(5))))(*sharded)
+    want = jax.grad(plain, argnums=tuple(range(5)))(*args)
+    for g, r in zip(got, want):
+        assert_near(g, r)
+    assert {s[0] for s in seen["dense"] + seen["weight_grad"]} == {9}
+
+
+def test_one_device_lowers_without_a_partitioning_call(rng):
+    x, w, b = operands(rng, 8, 5, 3)
+    f = jax.jit(jax.grad(lambda x, w, b: jnp.sum(fused_dense(x, w, b, activation="relu")), argnums=(0, 1, 2)))
+    text = f.lower(x, w, b).as_text()
+    assert "CustomSPMDPartitioning" not in text
+    sharded = f.lower(*(put(mesh(4, "data"), a, *(("data",) if a is x else ())) for a in (x, w, b))).as_text()
+    assert "CustomSPMDPartitioning" in sharded  # the rule is in force once there are several

@@ -204,7 +204,11 @@ def graph_us(stream: cp.cuda.Stream, launch, runs: int, samples: int = 1) -> flo
 class Plan:
     """A planned fused GEMM for one device, problem and pointer alignment."""
 
-    def __init__(self, spec: EpilogSpec, device_id: int, alignment: int, autotune: bool = False):
+    def __init__(
+        self, spec: EpilogSpec, device_id: int, alignment: int, autotune: bool = False, choice: int | None = None
+    ):
+        """``autotune``: time cuBLASLt's best few algorithms and keep the fastest; else
+        heuristic candidate ``choice`` (another plan's tuned choice), else its first."""
         self.spec = spec
         self.device_id = device_id
         self.alignment = alignment
@@ -275,9 +279,9 @@ class Plan:
         self._streams: dict[int, cp.cuda.ExternalStream] = {}
         with cp.cuda.Device(device_id):
             self._capture_stream = cp.cuda.Stream(non_blocking=True)
-        heuristic = self._choose_algorithm(_CANDIDATES if autotune else 1)
+        heuristic = self._choose_algorithm(_CANDIDATES if autotune or choice is not None else 1)
         self.tuning: list[float] | None = None  # µs per candidate, when autotuned
-        best = 0
+        best = choice if choice is not None and choice < len(heuristic) else 0
         if autotune:
             self.tuning = self._time_candidates(heuristic)
             best = int(np.argmin(self.tuning))
@@ -287,6 +291,7 @@ class Plan:
                 raise PlanningError(
                     f"cuBLASLt refused to run each of its {len(heuristic)} algorithms for {spec}"
                 )
+        self.choice = best  # the heuristic candidate this plan runs
         # cuBLASLt reads the algorithm struct at every call: keep the object that owns it
         # (as nvmath does with its cached_best_algorithm_struct).
         self._algo_struct = heuristic[best]["algo"]
@@ -512,6 +517,18 @@ class Plan:
 
 _plans: dict[tuple[EpilogSpec, int, int], Plan] = {}
 _plans_lock = threading.Lock()
+# The tuner's choice per problem, alignment and GPU model. Plans made without tuning take
+# it: those the FFI handler makes for the other devices of a multi-GPU program (lowering
+# tuned on the current device only), so that no device runs a slower algorithm than the
+# rest, which would all wait for it.
+_tuned: dict[tuple[EpilogSpec, int, str], int] = {}
+_models: dict[int, str] = {}
+
+
+def _model(device_id: int) -> str:
+    if device_id not in _models:
+        _models[device_id] = str(cp.cuda.runtime.getDeviceProperties(device_id)["name"])
+    return _models[device_id]
 
 
 def get_plan(spec: EpilogSpec, device_id: int, alignment: int = 256, autotune: bool = False) -> Plan:
@@ -529,7 +546,11 @@ def get_plan(spec: EpilogSpec, device_id: int, alignment: int = 256, autotune: b
             if plan is None:
                 with _relaxed_capture():
                     tune = autotune and os.environ.get("JAX_EPILOG_AUTOTUNE", "1") != "0"
-                    plan = _plans[key] = Plan(spec, device_id, alignment, autotune=tune)
+                    tuned_key = (spec, alignment, _model(device_id))
+                    choice = None if tune else _tuned.get(tuned_key)
+                    plan = _plans[key] = Plan(spec, device_id, alignment, autotune=tune, choice=choice)
+                    if plan.tuning is not None:
+                        _tuned[tuned_key] = plan.choice
     return plan
 
 

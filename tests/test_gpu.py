@@ -318,6 +318,32 @@ def test_plans_made_at_lowering_are_autotuned(rng):
     _assert_close(y, _oracle(x, w, b, "gelu")[0], TOL["bfloat16"])
 
 
+def test_a_plan_made_without_tuning_runs_the_tuned_choice(rng, monkeypatch):
+    """The FFI handler plans (untuned) for the other GPUs of a multi-GPU program: each takes
+    the choice tuned at lowering for the same problem, alignment and GPU model."""
+    from jax_epilog import _nvmath
+
+    monkeypatch.setattr(_nvmath, "_plans", {})
+    monkeypatch.setattr(_nvmath, "_tuned", {})
+    x, w, b = _inputs(rng, 776, 264, 392, "bfloat16")
+    f = lambda x, w, b: fused_dense(x, w, b, activation="gelu")
+    jax.jit(f).lower(x, w, b)  # lowering plans and tunes; nothing runs
+    ((key, tuned),) = _nvmath._plans.items()
+    spec, device, alignment = key
+    assert tuned.tuning is not None and len(tuned.tuning) > 1
+    model_key = (spec, alignment, _nvmath._model(device))
+    assert _nvmath._tuned == {model_key: tuned.choice}
+    # As if another GPU of this model had tuned it and preferred the last candidate.
+    last = len(tuned.tuning) - 1
+    _nvmath._plans.clear()
+    _nvmath._tuned[model_key] = last
+    monkeypatch.setenv("JAX_EPILOG_AUTOTUNE", "0")  # should the jit lower again
+    y = jax.jit(f)(x, w, b)  # the handler plans this device anew, untuned
+    plans = [p for k, p in _nvmath._plans.items() if k[0] == spec and k[2] == alignment]
+    assert plans and all(p.tuning is None and p.choice == last for p in plans)
+    _assert_close(y, _oracle(x, w, b, "gelu")[0], TOL["bfloat16"])
+
+
 def test_a_gelu_link_in_fused_mlp_lowers_to_a_dgelu_input_gradient_gemm(rng):
     from jax_epilog._ffi import TARGET_NAME
 

@@ -72,6 +72,22 @@ def assert_near(actual, expected):
     np.testing.assert_allclose(np.asarray(actual), expected, rtol=TOL, atol=TOL * np.abs(expected).max())
 
 
+def fused_layer(x, w, b, activation):
+    return fused_dense(x, w, b, activation=activation)
+
+
+def layer_grads(loss, sharded, plain, argnums=(0, 1, 2)):
+    """``loss(layer)`` differentiated with the fused layer on the sharded arrays (jitted),
+    compared with the reference layer on the host arrays; returns the jitted gradient and
+    its results."""
+    grad = jax.jit(jax.grad(loss(fused_layer), argnums=argnums))
+    got = grad(*sharded)
+    want = jax.grad(loss(reference), argnums=argnums)(*plain)
+    for g, r in zip(got, want, strict=True):
+        assert_near(g, r)
+    return grad, got
+
+
 def collectives(compiled_text: str) -> dict[str, int]:
     return {op: compiled_text.count(f" {op}(") for op in ("all-gather", "all-reduce", "all-to-all")}
 
@@ -101,17 +117,11 @@ def test_gradients_sum_the_devices_weight_gradients_once(rng, seen, activation):
     x, w, b = operands(rng, 4 * 11, 23, 19)
     dy = rng.standard_normal((4 * 11, 19))
 
-    def loss(f):
-        return lambda x, w, b, dy: jnp.sum(f(x, w, b) * dy)
+    def loss(layer):
+        return lambda x, w, b, dy: jnp.sum(layer(x, w, b, activation) * dy)
 
-    grad = jax.jit(
-        jax.grad(loss(lambda x, w, b: fused_dense(x, w, b, activation=activation)), argnums=(0, 1, 2))
-    )
     args = (put(m4, x, "data"), put(m4, w), put(m4, b), put(m4, dy, "data"))
-    got = grad(*args)
-    want = jax.grad(loss(lambda x, w, b: reference(x, w, b, activation)), argnums=(0, 1, 2))(x, w, b, dy)
-    for g, r in zip(got, want):
-        assert_near(g, r)
+    grad, got = layer_grads(loss, args, (x, w, b, dy))
     assert got[0].sharding.spec[0] == "data"
     assert got[1].sharding.is_fully_replicated and got[2].sharding.is_fully_replicated
     assert seen["weight_grad"] == [(11, 23, 19)]
@@ -128,18 +138,15 @@ def test_rows_split_over_two_mesh_axes_and_weights_split_along_n(rng, seen):
     dy = rng.standard_normal((4 * 5, 24))
     args = (put(m22, x, ("data", "fsdp")), put(m22, w, None, "fsdp"), put(m22, b, "fsdp"))
 
-    def loss(f):
-        return lambda x, w, b: jnp.sum(f(x, w, b) * dy)
+    def loss(layer):
+        return lambda x, w, b: jnp.sum(layer(x, w, b, "gelu") * dy)
 
-    fused = loss(lambda x, w, b: fused_dense(x, w, b, activation="gelu"))
-    value, got = jax.jit(jax.value_and_grad(fused, argnums=(0, 1, 2)))(*args)
-    want_value, want = jax.value_and_grad(
-        loss(lambda x, w, b: reference(x, w, b, "gelu")), argnums=(0, 1, 2)
-    )(x, w, b)
-    np.testing.assert_allclose(float(value), float(want_value), rtol=TOL)
-    for g, r in zip(got, want):
-        assert_near(g, r)
-    assert seen["dense"] == [(5, 17, 24)] and seen["weight_grad"] == [(5, 17, 24)]
+    layer_grads(loss, args, (x, w, b))
+    np.testing.assert_allclose(
+        float(jax.jit(loss(fused_layer))(*args)), float(loss(reference)(x, w, b)), rtol=TOL
+    )
+    assert set(seen["dense"]) == {(5, 17, 24)}  # traced twice: the gradient and the loss
+    assert seen["weight_grad"] == [(5, 17, 24)]
 
 
 def test_rows_that_do_not_divide_evenly_are_gathered(rng, seen):
@@ -147,14 +154,10 @@ def test_rows_that_do_not_divide_evenly_are_gathered(rng, seen):
     m4 = mesh(4, "data")
     x, w, b = operands(rng, 4 * 8, 9, 11)
 
-    def loss(f):
-        return lambda x, w, b: jnp.sum(f(x[:30], w, b) ** 2)
+    def loss(layer):
+        return lambda x, w, b: jnp.sum(layer(x[:30], w, b, "relu") ** 2)
 
-    f = jax.jit(jax.grad(loss(lambda x, w, b: fused_dense(x, w, b, activation="relu")), argnums=(0, 1, 2)))
-    got = f(put(m4, x, "data"), put(m4, w), put(m4, b))
-    want = jax.grad(loss(lambda x, w, b: reference(x, w, b, "relu")), argnums=(0, 1, 2))(x, w, b)
-    for g, r in zip(got, want):
-        assert_near(g, r)
+    layer_grads(loss, (put(m4, x, "data"), put(m4, w), put(m4, b)), (x, w, b))
     assert seen["dense"] == [(30, 9, 11)] and seen["weight_grad"] == [(30, 9, 11)]
 
 

@@ -33,6 +33,15 @@ def mesh(*shape_and_names):
     return Mesh(np.array(CPUS[: int(np.prod(shape))]).reshape(shape), names)
 
 
+@pytest.fixture(params=["shardy", "gspmd"])
+def partitioner(request):
+    """Each partitioner XLA may run: Shardy (jax's default) and GSPMD."""
+    before = jax.config.jax_use_shardy_partitioner
+    jax.config.update("jax_use_shardy_partitioner", request.param == "shardy")
+    yield request.param
+    jax.config.update("jax_use_shardy_partitioner", before)
+
+
 @pytest.fixture
 def seen(monkeypatch):
     """The (rows, K, N) of every per-device forward and weight gradient that gets traced."""
@@ -94,7 +103,7 @@ def collectives(compiled_text: str) -> dict[str, int]:
 
 @pytest.mark.parametrize("activation", [None, "relu", "gelu"])
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
-def test_forward_computes_each_devices_rows_on_that_device(rng, seen, activation, with_bias):
+def test_forward_computes_each_devices_rows_on_that_device(rng, seen, partitioner, activation, with_bias):
     m4 = mesh(4, "data")
     x, w, b = operands(rng, 4 * 13, 29, 37)
     b = b if with_bias else None
@@ -112,7 +121,7 @@ def test_forward_computes_each_devices_rows_on_that_device(rng, seen, activation
 
 
 @pytest.mark.parametrize("activation", [None, "relu", "gelu"])
-def test_gradients_sum_the_devices_weight_gradients_once(rng, seen, activation):
+def test_gradients_sum_the_devices_weight_gradients_once(rng, seen, partitioner, activation):
     m4 = mesh(4, "data")
     x, w, b = operands(rng, 4 * 11, 23, 19)
     dy = rng.standard_normal((4 * 11, 19))
@@ -130,7 +139,7 @@ def test_gradients_sum_the_devices_weight_gradients_once(rng, seen, activation):
     assert collectives(text)["all-reduce"] >= 1  # the kernel and bias gradients' sums
 
 
-def test_rows_split_over_two_mesh_axes_and_weights_split_along_n(rng, seen):
+def test_rows_split_over_two_mesh_axes_and_weights_split_along_n(rng, seen, partitioner):
     """Rows over ("data", "fsdp") together; the kernel and bias split along N (as FSDP or
     tensor parallelism store them) are gathered whole for the GEMM."""
     m22 = mesh(2, 2, "data", "fsdp")

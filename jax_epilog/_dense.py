@@ -20,6 +20,7 @@ from ._epilogs import (
     valid_compute_types,
 )
 from ._primitive import fused_matmul, fused_weight_grad
+from ._sharding import like
 
 __all__ = ["fused_dense"]
 
@@ -309,11 +310,11 @@ def _dense_fwd(x2, kernel, bias, config: _Config):
     # The backward needs the aux (never z itself for ReLU: one bit per output), so the
     # forward always asks the epilog for it when there is an activation.
     y, aux = _forward(x2, kernel, bias, config, with_aux=True)
-    return (y, aux if config.return_aux else None), (x2, kernel, aux)
+    return (y, aux if config.return_aux else None), (x2, kernel, bias, aux)
 
 
 def _dense_bwd(config: _Config, residuals, cotangents):
-    x2, kernel, aux = residuals
+    x2, kernel, bias, aux = residuals  # (the bias for its type only)
     dy, daux = cotangents
     ct = config.compute_type
     dz_extra = None
@@ -325,8 +326,10 @@ def _dense_bwd(config: _Config, residuals, cotangents):
         dkernel, dbias = _reference.weight_grad(x2, dz, ct, kernel.dtype, with_bias=False)
     else:  # one cuBLASLt GEMM writes both (in float32 when the bias is float32)
         dkernel, dbias = fused_weight_grad(x2, dz, compute_type=ct, d_dtype=config.d_dtype)
-        dbias = dbias.astype(config.bias_dtype)
-    return dx, dkernel.astype(kernel.dtype), dbias
+        dbias = like(dbias.astype(config.bias_dtype), bias)
+    # Under explicit sharding each gradient takes its primal's type (whole weights
+    # from the GEMM, a kernel or bias stored split along N).
+    return like(dx, x2), like(dkernel.astype(kernel.dtype), kernel), dbias
 
 
 _dense.defvjp(_dense_fwd, _dense_bwd)

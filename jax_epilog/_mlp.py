@@ -34,6 +34,7 @@ from ._dense import (
 )
 from ._epilogs import Activation, ComputeType, aux_padded_width
 from ._primitive import fused_gelu_input_grad, fused_matmul, fused_weight_grad
+from ._sharding import like
 
 __all__ = ["fused_mlp"]
 
@@ -202,7 +203,7 @@ def _mlp_fwd(x2, kernels, biases, config: _Config):
         auxes.append(aux)
     last = config.layers[-1]
     y = h if last.activation is Activation.RELU and auxes[-1] is None else None
-    return h, (tuple(inputs), kernels, tuple(auxes), y)
+    return h, (tuple(inputs), kernels, biases, tuple(auxes), y)  # (biases for their types)
 
 
 def _output_grad(layer: _Layer, aux, y, dy, dtype):
@@ -223,7 +224,7 @@ def _weight_grads(h, dz, kernel, layer: _Layer, fused: bool):
 
 
 def _mlp_bwd(config: _Config, residuals, dy):
-    inputs, kernels, auxes, y_last = residuals
+    inputs, kernels, biases, auxes, y_last = residuals
     layers = config.layers
     dkernels, dbiases = [], []
     dz = None  # the current layer's dz, when the layer above formed it
@@ -233,14 +234,14 @@ def _mlp_bwd(config: _Config, residuals, dy):
             y = y_last if i == len(layers) - 1 else inputs[i + 1]
             dz = _output_grad(layer, auxes[i], y, dy, h.dtype)
         dkernel, dbias = _weight_grads(h, dz, kernel, layer, config.fused_wgrad)
-        dkernels.append(dkernel)
-        dbiases.append(dbias)
+        dkernels.append(like(dkernel, kernel))  # each its primal's type under explicit sharding
+        dbiases.append(None if dbias is None else like(dbias, biases[i]))
         if i and layers[i - 1].activation is Activation.GELU:  # DGELU in this GEMM's epilog
             (dz_below,) = fused_gelu_input_grad(dz, kernel, auxes[i - 1], compute_type=layer.compute_type)
             dz = dz_below.astype(h.dtype)
         else:
             dy, dz = _reference.input_grad(dz, kernel, layer.compute_type), None
-    return dy, tuple(reversed(dkernels)), tuple(reversed(dbiases))
+    return like(dy, inputs[0]), tuple(reversed(dkernels)), tuple(reversed(dbiases))
 
 
 _mlp.defvjp(_mlp_fwd, _mlp_bwd)

@@ -26,7 +26,7 @@ from jax.interpreters import batching, mlir
 
 from . import _reference
 from ._epilogs import ComputeType, EpilogSpec, aux_dtype, aux_padded_width, epilog_name
-from ._sharding import Rows, partitioned_lowering
+from ._sharding import Rows, partitioned_lowering, typed
 
 __all__ = ["FastPathWarning", "fused_gelu_input_grad", "fused_matmul", "fused_weight_grad"]
 
@@ -55,10 +55,10 @@ def fused_matmul(x, kernel, bias, *, activation, with_aux, compute_type, d_dtype
 def _abstract_eval(x, kernel, *bias, activation, with_aux, compute_type, d_dtype, out_dtype, partitioned=False):
     del bias, compute_type, partitioned
     m, n = x.shape[0], kernel.shape[1]
-    outs = [jax.core.ShapedArray((m, n), out_dtype)]
+    outs = [typed((m, n), out_dtype, rows_like=x)]
     if with_aux:
         width = aux_padded_width(activation, n)
-        outs.append(jax.core.ShapedArray((m, width), aux_dtype(activation, d_dtype)))
+        outs.append(typed((m, width), aux_dtype(activation, d_dtype), rows_like=x))
     return outs
 
 
@@ -222,7 +222,7 @@ def fused_weight_grad(x, dz, *, compute_type, d_dtype):
 def _wgrad_abstract_eval(x, dz, *, compute_type, d_dtype, partitioned=False):
     del compute_type, partitioned
     k, n = x.shape[1], dz.shape[1]
-    return [jax.core.ShapedArray((k, n), d_dtype), jax.core.ShapedArray((n,), d_dtype)]
+    return [typed((k, n), d_dtype, mesh_of=x), typed((n,), d_dtype, mesh_of=x)]  # summed over rows
 
 
 def _wgrad_reference_impl(x, dz, *, compute_type, d_dtype):
@@ -287,7 +287,7 @@ def fused_gelu_input_grad(dz, kernel, aux, *, compute_type):
 
 def _igrad_abstract_eval(dz, kernel, aux, *, compute_type, partitioned=False):
     del compute_type, partitioned
-    return [jax.core.ShapedArray((dz.shape[0], kernel.shape[0]), aux.dtype)]
+    return [typed((dz.shape[0], kernel.shape[0]), aux.dtype, rows_like=dz)]
 
 
 def _igrad_reference_impl(dz, kernel, aux, *, compute_type):

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._epilogs import Activation, ComputeType, aux_dtype, aux_padded_width
+from ._sharding import explicit_whole
 
 __all__ = [
     "activate",
@@ -60,7 +61,9 @@ def _epilog_dtype(ab_dtype: np.dtype, compute_type: ComputeType) -> np.dtype:
     return np.dtype(np.float32)
 
 
-def _matmul(a: jax.Array, b: jax.Array, contract: tuple[int, int], compute_type: ComputeType) -> jax.Array:
+def _matmul(
+    a: jax.Array, b: jax.Array, contract: tuple[int, int], compute_type: ComputeType, out_sharding=None
+) -> jax.Array:
     """``a`` and ``b`` contracted over one axis each, accumulated as ``compute_type`` does."""
     fast = compute_type.name.startswith("COMPUTE_32F_FAST")
     return jax.lax.dot_general(
@@ -69,6 +72,7 @@ def _matmul(a: jax.Array, b: jax.Array, contract: tuple[int, int], compute_type:
         (((contract[0],), (contract[1],)), ((), ())),
         precision=jax.lax.Precision.DEFAULT if fast else jax.lax.Precision.HIGHEST,
         preferred_element_type=_epilog_dtype(np.dtype(a.dtype), compute_type),
+        out_sharding=out_sharding,
     )
 
 
@@ -168,7 +172,8 @@ def weight_grad(
 ) -> tuple[jax.Array, jax.Array | None]:
     """``(x^T @ dz, sum(dz, axis=0) or None)`` in ``d_dtype``: what the GPU's ``wgrad``
     problem computes with one GEMM and its bias-gradient epilog (BGRADA)."""
-    dkernel = _matmul(x, dz, (0, 0), compute_type).astype(d_dtype)
+    # (under explicit sharding with the rows split, the sum over them is whole)
+    dkernel = _matmul(x, dz, (0, 0), compute_type, explicit_whole(x, 2)).astype(d_dtype)
     if not with_bias:
         return dkernel, None
     acc = _epilog_dtype(np.dtype(dz.dtype), compute_type)

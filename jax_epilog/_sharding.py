@@ -31,7 +31,7 @@ try:  # jit hands a lowering its devices only for the primitives in this set (pr
 except ImportError:  # a jax without it: the primitives lower whole (XLA gathers; correct)
     _NEEDS_DEVICES = None
 
-__all__ = ["Rows", "partitioned_lowering"]
+__all__ = ["Rows", "explicit_whole", "like", "partitioned_lowering", "typed"]
 
 
 class Rows(NamedTuple):
@@ -135,3 +135,47 @@ def _sharding(mesh, ndim: int, axes) -> NamedSharding:
 
 def _out_shardings(mesh, result_shapes, rows: Rows, axes):
     return [_sharding(mesh, s.ndim, axes if i in rows.results else None) for i, s in enumerate(result_shapes)]
+
+
+# ------------------------------------------------ types under explicit sharding
+
+
+def typed(shape, dtype, rows_like=None, mesh_of=None) -> jax.core.ShapedArray:
+    """An abstract result: split along its first dimension as ``rows_like``'s first
+    dimension is (the primitives' rule), or whole, on ``mesh_of``'s mesh. Under jax's
+    explicit sharding an array's type names its sharding; elsewhere it names none and
+    this is a plain ShapedArray."""
+    source = rows_like if rows_like is not None else mesh_of
+    sharding = getattr(source, "sharding", None)
+    if sharding is None or not isinstance(sharding, NamedSharding):
+        return jax.core.ShapedArray(shape, dtype)
+    spec = [None] * len(shape)
+    if rows_like is not None and len(sharding.spec) and shape:
+        spec[0] = sharding.spec[0]
+    return jax.core.ShapedArray(shape, dtype, sharding=NamedSharding(sharding.mesh, PartitionSpec(*spec)))
+
+
+def like(value, primal):
+    """``value`` (a cotangent) resharded to ``primal``'s type where explicit sharding says
+    they differ (e.g. a kernel gradient, whole from the GEMM, for a kernel split along N)."""
+    want = getattr(jax.typeof(primal), "sharding", None)
+    have = getattr(jax.typeof(value), "sharding", None)
+    if not isinstance(want, NamedSharding) or not isinstance(have, NamedSharding):
+        return value
+    if tuple(want.spec) == tuple(have.spec) or not _explicit(want.mesh):
+        return value
+    return jax.sharding.reshard(value, want)
+
+
+def explicit_whole(array, ndim: int) -> NamedSharding | None:
+    """A whole (unsplit) ``ndim``-d sharding on ``array``'s mesh where that mesh's sharding
+    is explicit (a sum over split rows must say how its result is split), else None."""
+    sharding = getattr(jax.typeof(array), "sharding", None)
+    if not isinstance(sharding, NamedSharding) or not _explicit(sharding.mesh):
+        return None
+    return NamedSharding(sharding.mesh, PartitionSpec(*([None] * ndim)))
+
+
+def _explicit(mesh) -> bool:
+    explicit = getattr(jax.sharding.AxisType, "Explicit", None)
+    return any(t == explicit for t in getattr(mesh, "axis_types", ()))

@@ -217,3 +217,55 @@ def test_one_device_lowers_without_a_partitioning_call(rng):
     assert "CustomSPMDPartitioning" not in text
     sharded = f.lower(*(put(mesh(4, "data"), a, *(("data",) if a is x else ())) for a in (x, w, b))).as_text()
     assert "CustomSPMDPartitioning" in sharded  # the rule is in force once there are several
+
+
+def explicit_mesh():
+    explicit = jax.sharding.AxisType.Explicit
+    return jax.make_mesh((2, 2), ("data", "model"), axis_types=(explicit, explicit), devices=CPUS[:4])
+
+
+@pytest.mark.parametrize("weights", ["whole", "split-n"])
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_explicit_sharding_types_every_result_and_gradient(rng, seen, weights, activation):
+    """Under explicit sharding (jax.make_mesh's default) an array's type names its sharding:
+    the output is typed split by rows, and each gradient takes its primal's type (a kernel
+    and bias split along N get split gradients; the GEMM itself gathered them)."""
+    m = explicit_mesh()
+    x, w, b = operands(rng, 4 * 3, 10, 14)
+    dy = rng.standard_normal((4 * 3, 14))
+    n_axis = "model" if weights == "split-n" else None
+    args = (put(m, x, "data"), put(m, w, None, n_axis), put(m, b, n_axis), put(m, dy, "data"))
+    y = jax.jit(lambda x, w, b, dy: fused_dense(x, w, b, activation=activation))(*args)
+    assert_near(y, reference(x, w, b, activation))
+    assert jax.typeof(y).sharding.spec == P("data", None)
+
+    def loss(layer):
+        return lambda x, w, b, dy: jnp.sum(layer(x, w, b, activation) * dy)
+
+    _, got = layer_grads(loss, args, (x, w, b, dy))
+    for g, primal in zip(got, args):
+        assert jax.typeof(g).sharding.spec == jax.typeof(primal).sharding.spec
+    assert seen["weight_grad"] == [(6, 10, 14)]  # rows split over "data" only
+
+
+def test_explicit_sharding_fused_mlp(rng, seen):
+    m = explicit_mesh()
+    x, w1, b1 = operands(rng, 4 * 5, 12, 16)
+    _, w2, _ = operands(rng, 1, 16, 7)
+    args = (x, w1, b1, w2)
+    sharded = (put(m, x, "data"), *(put(m, a) for a in args[1:]))
+
+    def loss(mlp):
+        return lambda x, w1, b1, w2: jnp.sum(mlp(x, w1, b1, w2) ** 2)
+
+    fused = loss(
+        lambda x, w1, b1, w2: jax_epilog.fused_mlp(
+            x, [(w1, b1), (w2, None)], ["gelu", None], implementation="cublaslt"
+        )
+    )
+    plain = loss(lambda x, w1, b1, w2: reference(reference(x, w1, b1, "gelu"), w2, None, None))
+    got = jax.jit(jax.grad(fused, argnums=(0, 1, 2, 3)))(*sharded)
+    want = jax.grad(plain, argnums=(0, 1, 2, 3))(*args)
+    for g, r, primal in zip(got, want, sharded, strict=True):
+        assert_near(g, r)
+        assert jax.typeof(g).sharding.spec == jax.typeof(primal).sharding.spec

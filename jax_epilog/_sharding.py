@@ -14,6 +14,10 @@ such a layer computes correctly but without splitting its weights. Rows that do 
 divide evenly over their devices are gathered too. On a single device, and inside
 ``shard_map`` (where every device already holds its own block), the primitive lowers
 directly: custom_partitioning adds nothing there.
+
+Under explicit sharding an array's type names its sharding: ``typed`` gives the
+primitives' results the types this rule makes, and ``like`` gives each gradient its
+primal's type.
 """
 
 from __future__ import annotations

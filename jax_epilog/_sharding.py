@@ -146,13 +146,12 @@ def _out_shardings(mesh, result_shapes, rows: Rows, axes):
 
 def typed(shape, dtype, rows_like=None, mesh_of=None) -> jax.core.ShapedArray:
     """An abstract result: split along its first dimension as ``rows_like``'s first
-    dimension is (the primitives' rule), or whole, on ``mesh_of``'s mesh. Under jax's
-    explicit sharding an array's type names its sharding; elsewhere it names none and
-    this is a plain ShapedArray."""
+    dimension is (the primitives' rule), or whole, on ``mesh_of``'s mesh, where that mesh
+    is explicit (an array's type then names its sharding); elsewhere a plain ShapedArray."""
     source = rows_like if rows_like is not None else mesh_of
     sharding = getattr(source, "sharding", None)
-    if sharding is None or not isinstance(sharding, NamedSharding):
-        return jax.core.ShapedArray(shape, dtype)
+    if not isinstance(sharding, NamedSharding) or not _explicit(sharding.mesh):
+        return jax.core.ShapedArray(shape, dtype)  # (as before explicit sharding existed)
     spec = [None] * len(shape)
     if rows_like is not None and len(sharding.spec) and shape:
         spec[0] = sharding.spec[0]

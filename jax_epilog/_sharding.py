@@ -117,8 +117,7 @@ def _row_axes(mesh, arg_shapes, rows: Rows) -> tuple[str, ...] | None:
         sharding = arg_shapes[i].sharding
         if not isinstance(sharding, NamedSharding):
             return None
-        entry = sharding.spec[0] if len(sharding.spec) else None
-        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        axes = _first_axes(sharding)
         if found is not None and axes != found:
             return None
         found = axes
@@ -128,6 +127,12 @@ def _row_axes(mesh, arg_shapes, rows: Rows) -> tuple[str, ...] | None:
     if m % math.prod(mesh.shape[a] for a in found):
         return None
     return found
+
+
+def _first_axes(sharding: NamedSharding) -> tuple[str, ...]:
+    """The mesh axes that split the first dimension (none: ())."""
+    entry = sharding.spec[0] if len(sharding.spec) else None
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def _sharding(mesh, ndim: int, axes) -> NamedSharding:
@@ -148,14 +153,11 @@ def typed(shape, dtype, rows_like=None, mesh_of=None) -> jax.core.ShapedArray:
     """An abstract result: split along its first dimension as ``rows_like``'s first
     dimension is (the primitives' rule), or whole, on ``mesh_of``'s mesh, where that mesh
     is explicit (an array's type then names its sharding); elsewhere a plain ShapedArray."""
-    source = rows_like if rows_like is not None else mesh_of
-    sharding = getattr(source, "sharding", None)
-    if not isinstance(sharding, NamedSharding) or not _explicit(sharding.mesh):
+    sharding = getattr(rows_like if rows_like is not None else mesh_of, "sharding", None)
+    if not _explicit(sharding):
         return jax.core.ShapedArray(shape, dtype)  # (as before explicit sharding existed)
-    spec = [None] * len(shape)
-    if rows_like is not None and len(sharding.spec) and shape:
-        spec[0] = sharding.spec[0]
-    return jax.core.ShapedArray(shape, dtype, sharding=NamedSharding(sharding.mesh, PartitionSpec(*spec)))
+    axes = _first_axes(sharding) if rows_like is not None and shape else None
+    return jax.core.ShapedArray(shape, dtype, sharding=_sharding(sharding.mesh, len(shape), axes))
 
 
 def like(value, primal):
@@ -163,9 +165,7 @@ def like(value, primal):
     they differ (e.g. a kernel gradient, whole from the GEMM, for a kernel split along N)."""
     want = getattr(jax.typeof(primal), "sharding", None)
     have = getattr(jax.typeof(value), "sharding", None)
-    if not isinstance(want, NamedSharding) or not isinstance(have, NamedSharding):
-        return value
-    if tuple(want.spec) == tuple(have.spec) or not _explicit(want.mesh):
+    if not _explicit(want) or not isinstance(have, NamedSharding) or tuple(want.spec) == tuple(have.spec):
         return value
     return jax.sharding.reshard(value, want)
 
@@ -174,11 +174,11 @@ def explicit_whole(array, ndim: int) -> NamedSharding | None:
     """A whole (unsplit) ``ndim``-d sharding on ``array``'s mesh where that mesh's sharding
     is explicit (a sum over split rows must say how its result is split), else None."""
     sharding = getattr(jax.typeof(array), "sharding", None)
-    if not isinstance(sharding, NamedSharding) or not _explicit(sharding.mesh):
-        return None
-    return NamedSharding(sharding.mesh, PartitionSpec(*([None] * ndim)))
+    return _sharding(sharding.mesh, ndim, None) if _explicit(sharding) else None
 
 
-def _explicit(mesh) -> bool:
+def _explicit(sharding) -> bool:
+    """Whether ``sharding`` is a NamedSharding on a mesh with an explicit axis."""
     explicit = getattr(jax.sharding.AxisType, "Explicit", None)
+    mesh = getattr(sharding, "mesh", None) if isinstance(sharding, NamedSharding) else None
     return any(t == explicit for t in getattr(mesh, "axis_types", ()))

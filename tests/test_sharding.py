@@ -10,13 +10,14 @@ must be summed over the devices exactly once.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import act_fn
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_epilog
@@ -28,9 +29,8 @@ pytestmark = pytest.mark.skipif(len(CPUS) < 4, reason="needs 4 CPU devices (conf
 TOL = 1e-12  # float64: the only differences are the order of the sums
 
 
-def mesh(*shape_and_names):
-    shape, names = shape_and_names[: len(shape_and_names) // 2], shape_and_names[len(shape_and_names) // 2 :]
-    return Mesh(np.array(CPUS[: int(np.prod(shape))]).reshape(shape), names)
+def mesh(shape, names, axis_type=AxisType.Auto):
+    return jax.make_mesh(shape, names, axis_types=(axis_type,) * len(names), devices=CPUS[: math.prod(shape)])
 
 
 @pytest.fixture(params=["shardy", "gspmd"])
@@ -104,7 +104,7 @@ def collectives(compiled_text: str) -> dict[str, int]:
 @pytest.mark.parametrize("activation", [None, "relu", "gelu"])
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
 def test_forward_computes_each_devices_rows_on_that_device(rng, seen, partitioner, activation, with_bias):
-    m4 = mesh(4, "data")
+    m4 = mesh((4,), ("data",))
     x, w, b = operands(rng, 4 * 13, 29, 37)
     b = b if with_bias else None
     args = (put(m4, x, "data"), put(m4, w), None if b is None else put(m4, b))
@@ -122,7 +122,7 @@ def test_forward_computes_each_devices_rows_on_that_device(rng, seen, partitione
 
 @pytest.mark.parametrize("activation", [None, "relu", "gelu"])
 def test_gradients_sum_the_devices_weight_gradients_once(rng, seen, partitioner, activation):
-    m4 = mesh(4, "data")
+    m4 = mesh((4,), ("data",))
     x, w, b = operands(rng, 4 * 11, 23, 19)
     dy = rng.standard_normal((4 * 11, 19))
 
@@ -142,7 +142,7 @@ def test_gradients_sum_the_devices_weight_gradients_once(rng, seen, partitioner,
 def test_rows_split_over_two_mesh_axes_and_weights_split_along_n(rng, seen, partitioner):
     """Rows over ("data", "fsdp") together; the kernel and bias split along N (as FSDP or
     tensor parallelism store them) are gathered whole for the GEMM."""
-    m22 = mesh(2, 2, "data", "fsdp")
+    m22 = mesh((2, 2), ("data", "fsdp"))
     x, w, b = operands(rng, 4 * 5, 17, 24)
     dy = rng.standard_normal((4 * 5, 24))
     args = (put(m22, x, ("data", "fsdp")), put(m22, w, None, "fsdp"), put(m22, b, "fsdp"))
@@ -160,7 +160,7 @@ def test_rows_split_over_two_mesh_axes_and_weights_split_along_n(rng, seen, part
 
 def test_rows_that_do_not_divide_evenly_are_gathered(rng, seen):
     """30 of 32 split rows (a slice inside the jit): no device gets a padded block."""
-    m4 = mesh(4, "data")
+    m4 = mesh((4,), ("data",))
     x, w, b = operands(rng, 4 * 8, 9, 11)
 
     def loss(layer):
@@ -171,7 +171,7 @@ def test_rows_that_do_not_divide_evenly_are_gathered(rng, seen):
 
 
 def test_inside_shard_map_each_device_runs_its_block(rng, seen):
-    m4 = mesh(4, "data")
+    m4 = mesh((4,), ("data",))
     x, w, b = operands(rng, 4 * 6, 10, 13)
     f = jax.jit(
         jax.shard_map(
@@ -187,7 +187,7 @@ def test_inside_shard_map_each_device_runs_its_block(rng, seen):
 
 def test_fused_mlp_over_split_rows(rng, seen):
     """fused_mlp's linked backward (the GELU layer's dz from the next GEMM) on split rows."""
-    m4 = mesh(4, "data")
+    m4 = mesh((4,), ("data",))
     x, w1, b1 = operands(rng, 4 * 9, 12, 20)
     _, w2, b2 = operands(rng, 1, 20, 7)
     dy = rng.standard_normal((4 * 9, 7))
@@ -215,13 +215,10 @@ def test_one_device_lowers_without_a_partitioning_call(rng):
     f = jax.jit(jax.grad(lambda x, w, b: jnp.sum(fused_dense(x, w, b, activation="relu")), argnums=(0, 1, 2)))
     text = f.lower(x, w, b).as_text()
     assert "CustomSPMDPartitioning" not in text
-    sharded = f.lower(*(put(mesh(4, "data"), a, *(("data",) if a is x else ())) for a in (x, w, b))).as_text()
+    sharded = f.lower(
+        *(put(mesh((4,), ("data",)), a, *(("data",) if a is x else ())) for a in (x, w, b))
+    ).as_text()
     assert "CustomSPMDPartitioning" in sharded  # the rule is in force once there are several
-
-
-def explicit_mesh():
-    explicit = jax.sharding.AxisType.Explicit
-    return jax.make_mesh((2, 2), ("data", "model"), axis_types=(explicit, explicit), devices=CPUS[:4])
 
 
 @pytest.mark.parametrize("weights", ["whole", "split-n"])
@@ -230,7 +227,7 @@ def test_explicit_sharding_types_every_result_and_gradient(rng, seen, weights, a
     """Under explicit sharding (jax.make_mesh's default) an array's type names its sharding:
     the output is typed split by rows, and each gradient takes its primal's type (a kernel
     and bias split along N get split gradients; the GEMM itself gathered them)."""
-    m = explicit_mesh()
+    m = mesh((2, 2), ("data", "model"), AxisType.Explicit)
     x, w, b = operands(rng, 4 * 3, 10, 14)
     dy = rng.standard_normal((4 * 3, 14))
     n_axis = "model" if weights == "split-n" else None
@@ -249,7 +246,7 @@ def test_explicit_sharding_types_every_result_and_gradient(rng, seen, weights, a
 
 
 def test_explicit_sharding_fused_mlp(rng, seen):
-    m = explicit_mesh()
+    m = mesh((2, 2), ("data", "model"), AxisType.Explicit)
     x, w1, b1 = operands(rng, 4 * 5, 12, 16)
     _, w2, _ = operands(rng, 1, 16, 7)
     args = (x, w1, b1, w2)

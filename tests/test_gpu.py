@@ -404,3 +404,40 @@ def test_a_problem_cublaslt_plans_but_never_runs_is_refused_at_planning():
     spec = EpilogSpec(1, 11, 6, "GELU_AUX_BIAS", "COMPUTE_32F", "bfloat16", "float32", "float32")
     with pytest.raises(_nvmath.PlanningError, match="refused to run each of its"):
         _nvmath.Plan(spec, _nvmath.current_device(), 256, autotune=True)
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_explicit_sharding_on_the_gpu_runs_the_fused_path(rng, activation):
+    """Under an explicit mesh (jax.make_mesh's default) the primitives' results are typed with
+    the mesh's shardings and the cotangents are resharded to their primals' types
+    (_sharding.typed / like): on one GPU the forward and its gradient still lower to our
+    custom calls and give the oracle's numbers."""
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jax_epilog._ffi import TARGET_NAME
+
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:1])
+    x, w, b = _inputs(rng, 96, 72, 40, "float32")
+    dy = jnp.asarray(rng.standard_normal((96, 40)), jnp.float32)
+    rows, whole = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
+    x, dy = jax.device_put(x, rows), jax.device_put(dy, rows)
+    w, b = jax.device_put(w, whole), jax.device_put(b, whole)
+
+    loss = lambda x, w, b: jnp.sum(fused_dense(x, w, b, activation=activation) * dy)
+    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+    text = grad.lower(x, w, b).as_text()
+    assert text.count(f"@{TARGET_NAME}(") == 2, text  # the forward and the BGRADA GEMM
+    value, grads = grad(x, w, b)
+
+    x64, w64, b64, dy64 = (np.asarray(a, np.float64) for a in (x, w, b, dy))
+    y, z = _oracle(x64, w64, b64, activation)
+    _assert_close(value, np.sum(y * dy64), TOL["float32"] * 10)
+    if activation == "relu":
+        dz = dy64 * (z > 0)
+    else:
+        t = np.sqrt(2 / np.pi) * (z + 0.044715 * z**3)
+        dz = dy64 * (0.5 * (1 + np.tanh(t)) + 0.5 * z * (1 - np.tanh(t) ** 2) * np.sqrt(2 / np.pi) * (1 + 3 * 0.044715 * z**2))
+    for g, want, primal in zip(grads, (dz @ w64.T, x64.T @ dz, dz.sum(0)), (x, w, b), strict=True):
+        _assert_close(g, want, TOL["float32"] * 10)
+        assert jax.typeof(g).sharding.spec == jax.typeof(primal).sharding.spec

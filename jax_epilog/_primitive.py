@@ -10,7 +10,8 @@ cuBLASLt accepts the problem (checked by planning it at lowering time, so a refu
 reaches a running program). Everywhere else, and for whatever the fast path cannot take
 (float64, empty dimensions, a refused problem), it lowers to ``_reference.dense``: the same
 outputs in the same aux layout. Falling back on a GPU is announced once with a warning.
-Over several devices every lowering first splits the primitive by rows (``_sharding``).
+Over several devices every lowering first splits the primitive by rows, and by N where it
+can (``_sharding``; each primitive's ``Layout`` says where its M and N are).
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
 from . import _reference
-from ._epilogs import ComputeType, EpilogSpec, aux_dtype, aux_padded_width, epilog_name
-from ._sharding import Rows, partitioned_lowering, typed
+from ._epilogs import Activation, ComputeType, EpilogSpec, aux_dtype, aux_padded_width, epilog_name
+from ._sharding import Layout, partitioned_lowering, typed
 
 __all__ = ["FastPathWarning", "fused_gelu_input_grad", "fused_matmul", "fused_weight_grad"]
 
@@ -52,14 +53,38 @@ def fused_matmul(x, kernel, bias, *, activation, with_aux, compute_type, d_dtype
     )
 
 
-def _abstract_eval(x, kernel, *bias, activation, with_aux, compute_type, d_dtype, out_dtype, partitioned=False):
-    del bias, compute_type, partitioned
+def _abstract_eval(*args, activation, with_aux, compute_type, d_dtype, out_dtype, partitioned=False):
+    del compute_type, partitioned
+    x, kernel = args[:2]
     m, n = x.shape[0], kernel.shape[1]
-    outs = [typed((m, n), out_dtype, rows_like=x)]
+    results = [((m, n), out_dtype)]
     if with_aux:
-        width = aux_padded_width(activation, n)
-        outs.append(typed((m, width), aux_dtype(activation, d_dtype), rows_like=x))
-    return outs
+        results.append(((m, aux_padded_width(activation, n)), aux_dtype(activation, d_dtype)))
+    return typed(_layout(args, activation=activation, with_aux=with_aux), args, results)
+
+
+def _layout(args, *, activation, with_aux, **params) -> Layout:
+    """Over several devices: x's rows (M) split as they come, y and the aux split alike; N
+    split as the kernel's is (the bias and y alike), the aux with it where it is unpadded
+    (each device's N a multiple of 128 for ReLU's bits, of 8 for GELU's z)."""
+    del params
+    has_bias, n = len(args) == 3, args[1].shape[1]
+
+    def rule(n_factor, aux_factor=None):
+        operands = f"m k, k {n_factor}" + f", {n_factor}" * has_bias
+        return f"{operands} -> m {n_factor}" + (f", m {aux_factor}" if aux_factor else "")
+
+    operand_cols = {1: 1, 2: 0} if has_bias else {1: 1}
+    if not with_aux:
+        return Layout(((0,), (0,)), (), (operand_cols, {0: 1}), 1, rule("n"), whole=("k",))
+    rows, cols = ((0,), (0, 1)), (operand_cols, {0: 1, 1: 1})
+    unit = 128 if Activation(activation) is Activation.RELU else 8
+    if n % unit:  # a padded aux cannot be cut along N: N stays whole
+        return Layout(rows, (), ({}, {}), 1, rule("n", "a"), whole=("k", "n", "a"))
+    if unit == 8:  # GELU: the aux is z itself, one factor for both
+        return Layout(rows, (), cols, unit, rule("n", "n"), whole=("k",))
+    # ReLU: the aux holds N/8 bytes, so N is the compound of the aux's bytes and 8 bits.
+    return Layout(rows, (), cols, unit, rule("(a bits)", "a"), whole=("k", "bits"), factor_sizes=(("bits", 8),))
 
 
 fused_matmul_p.def_abstract_eval(_abstract_eval)
@@ -88,14 +113,7 @@ def _impl_of(primitive: Primitive):
 
 fused_matmul_p.def_impl(_impl_of(fused_matmul_p))
 _reference_lowering = mlir.lower_fun(_reference_impl, multiple_results=True)
-# Over several devices: x's rows (M) split as they come, y and the aux split alike.
-_ROWS = Rows(
-    args=(0,),
-    results=(0, 1),
-    summed=(),
-    rule=lambda nargs, nouts: "m k, k n" + ", n" * (nargs == 3) + " -> m n" + ", m a" * (nouts == 2),
-)
-mlir.register_lowering(fused_matmul_p, partitioned_lowering(fused_matmul_p, _reference_lowering, _ROWS))
+mlir.register_lowering(fused_matmul_p, partitioned_lowering(fused_matmul_p, _reference_lowering, _layout))
 
 
 def spec_of(x_aval, kernel_aval, bias_aval, activation, with_aux, compute_type, d_dtype):
@@ -177,7 +195,7 @@ def _cuda_lowering(ctx, x, kernel, *bias, activation, with_aux, compute_type, d_
     return _lower_fused_or_reference(ctx, (x, kernel, *bias), spec, _reference_lowering, params, fused)
 
 
-mlir.register_lowering(fused_matmul_p, partitioned_lowering(fused_matmul_p, _cuda_lowering, _ROWS), platform="cuda")
+mlir.register_lowering(fused_matmul_p, partitioned_lowering(fused_matmul_p, _cuda_lowering, _layout), platform="cuda")
 
 
 def _batch(args, dims, **params):
@@ -222,7 +240,14 @@ def fused_weight_grad(x, dz, *, compute_type, d_dtype):
 def _wgrad_abstract_eval(x, dz, *, compute_type, d_dtype, partitioned=False):
     del compute_type, partitioned
     k, n = x.shape[1], dz.shape[1]
-    return [typed((k, n), d_dtype, mesh_of=x), typed((n,), d_dtype, mesh_of=x)]  # summed over rows
+    return typed(_wgrad_layout((x, dz)), (x, dz), [((k, n), d_dtype), ((n,), d_dtype)])
+
+
+def _wgrad_layout(args, **params) -> Layout:
+    """Over several devices: x's and dz's rows split alike, both gradients summed over them;
+    N split as dz's is, and the gradients alike."""
+    del args, params
+    return Layout(((0, 1), ()), (0, 1), ({1: 1}, {0: 1, 1: 0}), 1, "m k, m n -> k n, n", whole=("k",))
 
 
 def _wgrad_reference_impl(x, dz, *, compute_type, d_dtype):
@@ -232,10 +257,8 @@ def _wgrad_reference_impl(x, dz, *, compute_type, d_dtype):
 fused_weight_grad_p.def_abstract_eval(_wgrad_abstract_eval)
 fused_weight_grad_p.def_impl(_impl_of(fused_weight_grad_p))
 _wgrad_reference_lowering = mlir.lower_fun(_wgrad_reference_impl, multiple_results=True)
-# Over several devices: x's and dz's rows split alike; both gradients summed over them.
-_WGRAD_ROWS = Rows(args=(0, 1), results=(), summed=(0, 1), rule=lambda nargs, nouts: "m k, m n -> k n, n")
 mlir.register_lowering(
-    fused_weight_grad_p, partitioned_lowering(fused_weight_grad_p, _wgrad_reference_lowering, _WGRAD_ROWS)
+    fused_weight_grad_p, partitioned_lowering(fused_weight_grad_p, _wgrad_reference_lowering, _wgrad_layout)
 )
 
 
@@ -264,7 +287,7 @@ def _wgrad_cuda_lowering(ctx, x, dz, *, compute_type, d_dtype):
 
 mlir.register_lowering(
     fused_weight_grad_p,
-    partitioned_lowering(fused_weight_grad_p, _wgrad_cuda_lowering, _WGRAD_ROWS),
+    partitioned_lowering(fused_weight_grad_p, _wgrad_cuda_lowering, _wgrad_layout),
     platform="cuda",
 )
 
@@ -287,7 +310,14 @@ def fused_gelu_input_grad(dz, kernel, aux, *, compute_type):
 
 def _igrad_abstract_eval(dz, kernel, aux, *, compute_type, partitioned=False):
     del compute_type, partitioned
-    return [typed((dz.shape[0], kernel.shape[0]), aux.dtype, rows_like=dz)]
+    return typed(_igrad_layout(()), (dz, kernel, aux), [((dz.shape[0], kernel.shape[0]), aux.dtype)])
+
+
+def _igrad_layout(args, **params) -> Layout:
+    """Over several devices: dz's and the aux's rows split alike, and the result's with them;
+    N (summed over here, before the GELU derivative) and K whole."""
+    del args, params
+    return Layout(((0, 2), (0,)), (), ({}, {}), 1, "m n, k n, m a -> m k", whole=("n", "k", "a"))
 
 
 def _igrad_reference_impl(dz, kernel, aux, *, compute_type):
@@ -297,11 +327,9 @@ def _igrad_reference_impl(dz, kernel, aux, *, compute_type):
 fused_gelu_input_grad_p.def_abstract_eval(_igrad_abstract_eval)
 fused_gelu_input_grad_p.def_impl(_impl_of(fused_gelu_input_grad_p))
 _igrad_reference_lowering = mlir.lower_fun(_igrad_reference_impl, multiple_results=True)
-# Over several devices: dz's and the aux's rows split alike, and the result's with them.
-_IGRAD_ROWS = Rows(args=(0, 2), results=(0,), summed=(), rule=lambda nargs, nouts: "m n, k n, m a -> m k")
 mlir.register_lowering(
     fused_gelu_input_grad_p,
-    partitioned_lowering(fused_gelu_input_grad_p, _igrad_reference_lowering, _IGRAD_ROWS),
+    partitioned_lowering(fused_gelu_input_grad_p, _igrad_reference_lowering, _igrad_layout),
 )
 
 
@@ -330,7 +358,7 @@ def _igrad_cuda_lowering(ctx, dz, kernel, aux, *, compute_type):
 
 mlir.register_lowering(
     fused_gelu_input_grad_p,
-    partitioned_lowering(fused_gelu_input_grad_p, _igrad_cuda_lowering, _IGRAD_ROWS),
+    partitioned_lowering(fused_gelu_input_grad_p, _igrad_cuda_lowering, _igrad_layout),
     platform="cuda",
 )
 

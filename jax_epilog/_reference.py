@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._epilogs import Activation, ComputeType, aux_dtype, aux_padded_width
-from ._sharding import explicit_whole
+from ._sharding import explicit_product
 
 __all__ = [
     "activate",
@@ -155,7 +155,8 @@ def output_grad(
 
 def input_grad(dz: jax.Array, kernel: jax.Array, compute_type: ComputeType) -> jax.Array:
     """``dx = dz @ kernel^T``, accumulated like the forward."""
-    return _matmul(dz, kernel, (1, 1), compute_type).astype(kernel.dtype)
+    # (under explicit sharding with N split, the sum over it keeps dz's rows)
+    return _matmul(dz, kernel, (1, 1), compute_type, explicit_product(dz, kernel, 0, 0)).astype(kernel.dtype)
 
 
 def gelu_input_grad(dz: jax.Array, kernel: jax.Array, aux: jax.Array, compute_type: ComputeType) -> jax.Array:
@@ -163,7 +164,7 @@ def gelu_input_grad(dz: jax.Array, kernel: jax.Array, aux: jax.Array, compute_ty
     GELU aux (its input z, padded): the dz of the layer before this one, as the GPU's
     ``dgrad`` problem forms it in one GEMM with the DGELU epilog. The product stays in the
     accumulator until it is multiplied by the derivative, then rounds once."""
-    dh = _matmul(dz, kernel, (1, 1), compute_type)
+    dh = _matmul(dz, kernel, (1, 1), compute_type, explicit_product(dz, kernel, 0, 0))
     return output_grad(aux, dh, None, Activation.GELU, compute_type, aux.dtype)
 
 
@@ -172,8 +173,8 @@ def weight_grad(
 ) -> tuple[jax.Array, jax.Array | None]:
     """``(x^T @ dz, sum(dz, axis=0) or None)`` in ``d_dtype``: what the GPU's ``wgrad``
     problem computes with one GEMM and its bias-gradient epilog (BGRADA)."""
-    # (under explicit sharding with the rows split, the sum over them is whole)
-    dkernel = _matmul(x, dz, (0, 0), compute_type, explicit_whole(x, 2)).astype(d_dtype)
+    # (under explicit sharding with the rows split, the sum over them keeps dz's columns)
+    dkernel = _matmul(x, dz, (0, 0), compute_type, explicit_product(x, dz, 1, 1)).astype(d_dtype)
     if not with_bias:
         return dkernel, None
     acc = _epilog_dtype(np.dtype(dz.dtype), compute_type)

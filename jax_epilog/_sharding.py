@@ -1,19 +1,25 @@
-"""How the fused primitives split over several devices: by rows, with whole weights.
+"""How the fused primitives split over several devices: by rows, and by N where it can.
 
 XLA's partitioner cannot see into a custom call: left alone, it would gather every operand
 onto every device and run the whole GEMM on each. So each primitive's lowering goes through
-``jax.experimental.custom_partitioning`` with one rule for all of them: an operand's rows
-(the GEMM's M: a batch of tokens) stay split the way they arrive, and everything else
-(the kernel, the bias, a GEMM's K and N) is gathered whole onto each device. Each device
-then runs the primitive on its own rows, and results that sum over the rows (the kernel
-and bias gradients) are summed over the devices that split them (``psum``).
+``jax.experimental.custom_partitioning`` with one rule for all of them:
 
-That is data parallelism (and FSDP, whose weights are gathered before use anyway) at the
-fused kernel's speed. Weights split along N or K (tensor parallelism) are gathered, so
-such a layer computes correctly but without splitting its weights. Rows that do not
-divide evenly over their devices are gathered too. On a single device, and inside
-``shard_map`` (where every device already holds its own block), the primitive lowers
-directly: custom_partitioning adds nothing there.
+- an operand's rows (the GEMM's M: a batch of tokens) stay split the way they arrive;
+- the output features (N) stay split where the kernel (or, for the kernel gradient, dz)
+  arrives split along N over mesh axes that do not split the rows: tensor parallelism's
+  column-parallel layer. Each device then computes its own block of columns, with no
+  communication in the forward. The forward's aux must split with N, so with an aux each
+  device's N must be a multiple of the aux's packing (128 for ReLU's bits, 8 for GELU);
+- everything else (K, and N where it cannot split) is gathered whole onto each device.
+
+Each device runs the primitive on its own block, and results that sum over the rows (the
+kernel and bias gradients) are summed over the devices that split them (``psum``). That
+covers data parallelism, FSDP (whose weights, split over the axes that split the rows, are
+gathered before use anyway) and column-parallel tensor parallelism at the fused kernel's
+speed. Weights split along K (a row-parallel layer) are gathered: the epilog's bias and
+activation need the whole sum. Rows or columns that do not divide evenly over their devices
+are gathered too. On a single device, and inside ``shard_map`` (where every device already
+holds its own block), the primitive lowers directly: custom_partitioning adds nothing there.
 
 Under explicit sharding an array's type names its sharding: ``typed`` gives the
 primitives' results the types this rule makes, and ``like`` gives each gradient its
@@ -35,25 +41,39 @@ try:  # jit hands a lowering its devices only for the primitives in this set (pr
 except ImportError:  # a jax without it: the primitives lower whole (XLA gathers; correct)
     _NEEDS_DEVICES = None
 
-__all__ = ["Rows", "explicit_whole", "like", "partitioned_lowering", "typed"]
+__all__ = ["Layout", "explicit_product", "like", "partitioned_lowering", "typed"]
 
 
-class Rows(NamedTuple):
-    """Which operands and results carry the GEMM's rows (M) in their first dimension.
+class Layout(NamedTuple):
+    """Where a primitive's GEMM dimensions sit in its operands and results.
 
-    ``summed`` results are sums over the rows; ``rule(nargs, nouts)`` is the Shardy rule
-    for that many operands and results, in custom_partitioning's einsum-like notation,
-    with "m" for the rows.
+    ``rows``: (operands, results) whose first dimension is M. ``summed``: results that are
+    sums over M. ``cols``: ({operand: its N dimension}, {result: its N dimension}); the
+    first operand named decides how N splits, and an empty ``cols`` keeps N whole.
+    ``n_unit``: each device's N must be a multiple of it. ``rule``: the Shardy rule, in
+    custom_partitioning's einsum-like notation with "m" for the rows and "n" (or a compound
+    factor over it, sized by ``factor_sizes``) for N; factors ``whole`` never split.
     """
 
-    args: tuple[int, ...]
-    results: tuple[int, ...]
+    rows: tuple[tuple[int, ...], tuple[int, ...]]
     summed: tuple[int, ...]
-    rule: callable
+    cols: tuple[dict[int, int], dict[int, int]]
+    n_unit: int
+    rule: str
+    whole: tuple[str, ...]
+    factor_sizes: tuple[tuple[str, int], ...] = ()
 
 
-def partitioned_lowering(primitive, direct, rows: Rows):
-    """A lowering rule for ``primitive``: ``direct`` on one device, else split by ``rows``.
+class Split(NamedTuple):
+    """The mesh axes that split M and N for one call (() where whole)."""
+
+    rows: tuple[str, ...]
+    cols: tuple[str, ...]
+
+
+def partitioned_lowering(primitive, direct, layout_of):
+    """A lowering rule for ``primitive``: ``direct`` on one device, else split as
+    ``layout_of(operands' abstract values, **params)`` says.
 
     ``direct(ctx, *args, **params)`` lowers the primitive on whole (or per-device) arrays.
     On several devices the primitive is bound again inside custom_partitioning with
@@ -68,96 +88,117 @@ def partitioned_lowering(primitive, direct, rows: Rows):
     def lowering(ctx, *args, partitioned: bool = False, **params):
         if partitioned:
             return direct(ctx, *args, **params)
-        fn = _partitioned(primitive, params, rows, len(args), len(ctx.avals_out))
+        layout = layout_of(ctx.avals_in, **params)
+        fn = _partitioned(primitive, params, layout)
         return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
 
     return lowering
 
 
-def _partitioned(primitive, params: dict, rows: Rows, nargs: int, nouts: int):
+def _partitioned(primitive, params: dict, layout: Layout):
     def local(*args):
         return primitive.bind(*args, partitioned=True, **params)
 
     fn = custom_partitioning(local)
 
     def partition(mesh, arg_shapes, result_shapes):
-        axes = _row_axes(mesh, arg_shapes, rows)
+        split = _split(layout, mesh, [s.shape for s in arg_shapes], [s.sharding for s in arg_shapes])
         arg_shardings = tuple(
-            _sharding(mesh, s.ndim, axes if i in rows.args else None) for i, s in enumerate(arg_shapes)
+            _sharding(mesh, s.ndim, _dims(layout, 0, i, split)) for i, s in enumerate(arg_shapes)
         )
-        out_shardings = _out_shardings(mesh, result_shapes, rows, axes)
+        out_shardings = _out_shardings(layout, mesh, result_shapes, split)
 
         def lower(*args):
             outs = local(*args)
-            if axes is None:
+            if not split.rows:
                 return outs
-            return [jax.lax.psum(o, axes) if i in rows.summed else o for i, o in enumerate(outs)]
+            return [jax.lax.psum(o, split.rows) if i in layout.summed else o for i, o in enumerate(outs)]
 
         return mesh, lower, out_shardings, arg_shardings
 
     def infer(mesh, arg_shapes, result_shapes):  # the GSPMD partitioner's question
-        return _out_shardings(mesh, result_shapes, rows, _row_axes(mesh, arg_shapes, rows))
+        split = _split(layout, mesh, [s.shape for s in arg_shapes], [s.sharding for s in arg_shapes])
+        return _out_shardings(layout, mesh, result_shapes, split)
 
-    rule = rows.rule(nargs, nouts)
-    factors = rule.replace("->", " ").replace(",", " ").split()
-    whole = [f for i, f in enumerate(factors) if f != "m" and f not in factors[:i]]  # in rule order
+    factors = layout.rule.replace("->", " ").replace(",", " ").replace("(", " ").replace(")", " ").split()
+    whole = [f for i, f in enumerate(factors) if f in layout.whole and f not in factors[:i]]  # rule order
     fn.def_partition(
         partition=partition,
         infer_sharding_from_operands=infer,
-        sharding_rule=rule,  # for Shardy: only the rows "m" may stay split
+        sharding_rule=layout.rule,  # for Shardy: only "m" and N's factors may stay split
         need_replication_factors=tuple(whole),
+        **dict(layout.factor_sizes),
     )
     return fn
 
 
-def _row_axes(mesh, arg_shapes, rows: Rows) -> tuple[str, ...] | None:
-    """The mesh axes that split the rows of every row operand alike, if they divide M."""
-    found = None
-    for i in rows.args:
-        sharding = arg_shapes[i].sharding
-        if not isinstance(sharding, NamedSharding):
-            return None
-        axes = _first_axes(sharding)
-        if found is not None and axes != found:
-            return None
-        found = axes
-    if not found:
-        return None
-    m = arg_shapes[rows.args[0]].shape[0]
-    if m % math.prod(mesh.shape[a] for a in found):
-        return None
-    return found
+def _split(layout: Layout, mesh, shapes, shardings) -> Split:
+    """The mesh axes that split the first row operand's rows, if they divide M (the other
+    row operands are resharded to match), and those that split N in the deciding operand,
+    if they leave the rows' axes alone and each device's N is a multiple of ``n_unit``."""
+    first = layout.rows[0][0]
+    rows = _axes(shardings[first], 0) if isinstance(shardings[first], NamedSharding) else ()
+    if rows and shapes[first][0] % _size(mesh, rows):
+        rows = ()
+    cols = ()
+    if layout.cols[0]:
+        i, dim = next(iter(layout.cols[0].items()))
+        if isinstance(shardings[i], NamedSharding):
+            cols = _axes(shardings[i], dim)
+            n = shapes[i][dim]
+            if set(cols) & set(rows) or n % _size(mesh, cols) or (n // _size(mesh, cols)) % layout.n_unit:
+                cols = ()
+    return Split(rows, cols)
 
 
-def _first_axes(sharding: NamedSharding) -> tuple[str, ...]:
-    """The mesh axes that split the first dimension (none: ())."""
-    entry = sharding.spec[0] if len(sharding.spec) else None
+def _size(mesh, axes) -> int:
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def _axes(sharding: NamedSharding, dim: int) -> tuple[str, ...]:
+    """The mesh axes that split dimension ``dim`` (none: ())."""
+    entry = sharding.spec[dim] if len(sharding.spec) > dim else None
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def _sharding(mesh, ndim: int, axes) -> NamedSharding:
+def _dims(layout: Layout, side: int, i: int, split: Split) -> dict[int, tuple[str, ...]]:
+    """{dimension: mesh axes} of operand (side 0) or result (side 1) ``i`` under ``split``."""
+    dims = {}
+    if i in layout.rows[side] and split.rows:
+        dims[0] = split.rows
+    if i in layout.cols[side] and split.cols:
+        dims[layout.cols[side][i]] = split.cols
+    return dims
+
+
+def _sharding(mesh, ndim: int, dims: dict[int, tuple[str, ...]]) -> NamedSharding:
     spec = [None] * ndim
-    if axes:
-        spec[0] = axes if len(axes) > 1 else axes[0]
+    for dim, axes in dims.items():
+        spec[dim] = axes if len(axes) > 1 else axes[0]
     return NamedSharding(mesh, PartitionSpec(*spec))
 
 
-def _out_shardings(mesh, result_shapes, rows: Rows, axes):
-    return [_sharding(mesh, s.ndim, axes if i in rows.results else None) for i, s in enumerate(result_shapes)]
+def _out_shardings(layout: Layout, mesh, result_shapes, split: Split):
+    return [_sharding(mesh, s.ndim, _dims(layout, 1, i, split)) for i, s in enumerate(result_shapes)]
 
 
 # ------------------------------------------------ types under explicit sharding
 
 
-def typed(shape, dtype, rows_like=None, mesh_of=None) -> jax.core.ShapedArray:
-    """An abstract result: split along its first dimension as ``rows_like``'s first
-    dimension is (the primitives' rule), or whole, on ``mesh_of``'s mesh, where that mesh
-    is explicit (an array's type then names its sharding); elsewhere a plain ShapedArray."""
-    sharding = getattr(rows_like if rows_like is not None else mesh_of, "sharding", None)
-    if not _explicit(sharding):
-        return jax.core.ShapedArray(shape, dtype)  # (as before explicit sharding existed)
-    axes = _first_axes(sharding) if rows_like is not None and shape else None
-    return jax.core.ShapedArray(shape, dtype, sharding=_sharding(sharding.mesh, len(shape), axes))
+def typed(layout: Layout, args, results) -> list[jax.core.ShapedArray]:
+    """A primitive's abstract results ``[(shape, dtype), ...]`` for operands ``args``: split
+    as the rule splits them (``layout``), on the operands' mesh where that mesh is explicit
+    (an array's type then names its sharding); elsewhere plain ShapedArrays."""
+    shardings = [getattr(a, "sharding", None) for a in args]
+    explicit = next((s for s in shardings if _explicit(s)), None)
+    if explicit is None:
+        return [jax.core.ShapedArray(shape, dtype) for shape, dtype in results]  # (as before)
+    mesh = explicit.mesh
+    split = _split(layout, mesh, [a.shape for a in args], shardings)
+    return [
+        jax.core.ShapedArray(shape, dtype, sharding=_sharding(mesh, len(shape), _dims(layout, 1, i, split)))
+        for i, (shape, dtype) in enumerate(results)
+    ]
 
 
 def like(value, primal):
@@ -170,11 +211,17 @@ def like(value, primal):
     return jax.sharding.reshard(value, want)
 
 
-def explicit_whole(array, ndim: int) -> NamedSharding | None:
-    """A whole (unsplit) ``ndim``-d sharding on ``array``'s mesh where that mesh's sharding
-    is explicit (a sum over split rows must say how its result is split), else None."""
-    sharding = getattr(jax.typeof(array), "sharding", None)
-    return _sharding(sharding.mesh, ndim, None) if _explicit(sharding) else None
+def explicit_product(a, b, a_dim: int, b_dim: int) -> NamedSharding | None:
+    """Under explicit sharding, how a 2-d product that keeps dimension ``a_dim`` of ``a`` and
+    ``b_dim`` of ``b`` is split: as those dimensions are, unless they share mesh axes (then
+    ``b``'s is whole). A product summed over a split dimension must say so; elsewhere None."""
+    sa, sb = (getattr(jax.typeof(v), "sharding", None) for v in (a, b))
+    if not (_explicit(sa) and _explicit(sb)):
+        return None
+    first, second = _axes(sa, a_dim), _axes(sb, b_dim)
+    if set(first) & set(second):
+        second = ()
+    return _sharding(sa.mesh, 2, {d: axes for d, axes in ((0, first), (1, second)) if axes})
 
 
 def _explicit(sharding) -> bool:

@@ -1,10 +1,11 @@
 """fused_dense and fused_mlp over several devices (four virtual CPU devices, conftest.py).
 
-The primitives split by rows through custom_partitioning (jax_epilog/_sharding.py) on every
-platform, so these CPU tests run the same partitioning rules a multi-GPU program does: each
-device must compute its own rows only (the spies below record the shapes the per-device
-computation sees), the results must equal the float64 reference, and the weight gradients
-must be summed over the devices exactly once.
+The primitives split by rows, and by N where the weights are column-parallel, through
+custom_partitioning (jax_epilog/_sharding.py) on every platform, so these CPU tests run the
+same partitioning rules a multi-GPU program does: each device must compute its own block
+only (the spies below record the shapes the per-device computation sees), the results must
+equal the float64 reference, and the weight gradients must be summed over the devices
+exactly once.
 """
 
 from __future__ import annotations
@@ -140,8 +141,8 @@ def test_gradients_sum_the_devices_weight_gradients_once(rng, seen, partitioner,
 
 
 def test_rows_split_over_two_mesh_axes_and_weights_split_along_n(rng, seen, partitioner):
-    """Rows over ("data", "fsdp") together; the kernel and bias split along N (as FSDP or
-    tensor parallelism store them) are gathered whole for the GEMM."""
+    """Rows over ("data", "fsdp") together; the kernel and bias split along N over an axis
+    that also splits the rows (as FSDP stores them) are gathered whole for the GEMM."""
     m22 = mesh((2, 2), ("data", "fsdp"))
     x, w, b = operands(rng, 4 * 5, 17, 24)
     dy = rng.standard_normal((4 * 5, 24))
@@ -156,6 +157,63 @@ def test_rows_split_over_two_mesh_axes_and_weights_split_along_n(rng, seen, part
     )
     assert set(seen["dense"]) == {(5, 17, 24)}  # traced twice: the gradient and the loss
     assert seen["weight_grad"] == [(5, 17, 24)]
+
+
+@pytest.mark.parametrize("activation", [None, "relu", "gelu"])
+def test_column_parallel_weights_keep_each_devices_columns(rng, seen, partitioner, activation):
+    """Rows over "data" and the kernel and bias split along N over "model" (tensor
+    parallelism's column-parallel layer): each device computes its rows of its columns,
+    and the forward needs no communication."""
+    m22 = mesh((2, 2), ("data", "model"))
+    x, w, b = operands(rng, 2 * 7, 19, 2 * 11)
+    args = (put(m22, x, "data"), put(m22, w, None, "model"), put(m22, b, "model"))
+    f = jax.jit(lambda x, w, b: fused_dense(x, w, b, activation=activation))
+    y = f(*args)
+    assert_near(y, reference(x, w, b, activation))
+    assert y.sharding.spec == P("data", "model")
+    assert seen["dense"] == [(7, 19, 11)]
+    assert collectives(f.lower(*args).compile().as_text()) == {"all-gather": 0, "all-reduce": 0, "all-to-all": 0}
+
+
+@pytest.mark.parametrize("activation,n", [("relu", 2 * 128), ("gelu", 2 * 16), (None, 2 * 9)])
+def test_column_parallel_gradients_keep_the_weights_split(rng, seen, partitioner, activation, n):
+    """The gradient of a column-parallel layer whose aux splits with N (each device's N a
+    multiple of 128 for ReLU's bits, of 8 for GELU's z): the forward and the kernel-gradient
+    GEMM each run on one device's rows and columns, the kernel and bias gradients come back
+    split like the weights, and no weight is gathered (the sums over rows and over N are
+    all-reduces)."""
+    m22 = mesh((2, 2), ("data", "model"))
+    x, w, b = operands(rng, 2 * 5, 13, n)
+    dy = rng.standard_normal((2 * 5, n))
+
+    def loss(layer):
+        return lambda x, w, b, dy: jnp.sum(layer(x, w, b, activation) * dy)
+
+    args = (put(m22, x, "data"), put(m22, w, None, "model"), put(m22, b, "model"), put(m22, dy, "data", "model"))
+    grad, got = layer_grads(loss, args, (x, w, b, dy))
+    assert [g.sharding.spec for g in got] == [P("data"), P(None, "model"), P("model")]
+    assert seen["dense"] == [(5, 13, n // 2)] * (activation is not None)  # (no activation: XLA's dot)
+    assert seen["weight_grad"] == [(5, 13, n // 2)]
+    text = grad.lower(*args).compile().as_text()
+    assert collectives(text)["all-gather"] == 0
+    assert collectives(text)["all-reduce"] >= 2  # dx over "model"; the weight gradients over "data"
+
+
+@pytest.mark.parametrize("activation,n", [("relu", 2 * 64), ("relu", 2 * 40), ("gelu", 2 * 12)])
+def test_a_padded_aux_keeps_n_whole_in_the_forward(rng, seen, partitioner, activation, n):
+    """Each device's N not a multiple of the aux's packing: the forward that saves the aux
+    gathers the weights (its aux is then the whole layout), the kernel gradient still splits."""
+    m22 = mesh((2, 2), ("data", "model"))
+    x, w, b = operands(rng, 2 * 6, 9, n)
+    dy = rng.standard_normal((2 * 6, n))
+
+    def loss(layer):
+        return lambda x, w, b, dy: jnp.sum(layer(x, w, b, activation) * dy)
+
+    args = (put(m22, x, "data"), put(m22, w, None, "model"), put(m22, b, "model"), put(m22, dy, "data", "model"))
+    _, got = layer_grads(loss, args, (x, w, b, dy))
+    assert seen["dense"] == [(6, 9, n)] and seen["weight_grad"] == [(6, 9, n // 2)]
+    assert got[1].sharding.spec == P(None, "model")
 
 
 def test_rows_that_do_not_divide_evenly_are_gathered(rng, seen):
@@ -210,6 +268,34 @@ def test_fused_mlp_over_split_rows(rng, seen):
     assert {s[0] for s in seen["dense"] + seen["weight_grad"]} == {9}
 
 
+def test_fused_mlp_with_megatron_style_weights(rng, seen, partitioner):
+    """The first kernel split along N (column-parallel), the second along K (row-parallel):
+    the first layer computes its columns, the second gathers its input and kernel (the
+    epilog needs the whole sum), and the gradients are exact."""
+    m22 = mesh((2, 2), ("data", "model"))
+    x, w1, b1 = operands(rng, 2 * 5, 11, 2 * 16)
+    _, w2, b2 = operands(rng, 1, 2 * 16, 9)
+    dy = rng.standard_normal((2 * 5, 9))
+
+    def loss(mlp):
+        return lambda x, w1, b1, w2, b2: jnp.sum(mlp(x, w1, b1, w2, b2) * dy)
+
+    fused = loss(
+        lambda x, w1, b1, w2, b2: jax_epilog.fused_mlp(
+            x, [(w1, b1), (w2, b2)], ["gelu", "relu"], implementation="cublaslt"
+        )
+    )
+    plain = loss(lambda x, w1, b1, w2, b2: reference(reference(x, w1, b1, "gelu"), w2, b2, "relu"))
+    args = (x, w1, b1, w2, b2)
+    specs = (("data",), (None, "model"), ("model",), ("model", None), ())
+    sharded = [put(m22, a, *spec) for a, spec in zip(args, specs, strict=True)]
+    got = jax.jit(jax.grad(fused, argnums=tuple(range(5))))(*sharded)
+    want = jax.grad(plain, argnums=tuple(range(5)))(*args)
+    for g, r in zip(got, want, strict=True):
+        assert_near(g, r)
+    assert seen["dense"] == [(5, 11, 16), (5, 32, 9)]
+
+
 def test_one_device_lowers_without_a_partitioning_call(rng):
     x, w, b = operands(rng, 8, 5, 3)
     f = jax.jit(jax.grad(lambda x, w, b: jnp.sum(fused_dense(x, w, b, activation="relu")), argnums=(0, 1, 2)))
@@ -225,16 +311,16 @@ def test_one_device_lowers_without_a_partitioning_call(rng):
 @pytest.mark.parametrize("activation", ["relu", "gelu"])
 def test_explicit_sharding_types_every_result_and_gradient(rng, seen, weights, activation):
     """Under explicit sharding (jax.make_mesh's default) an array's type names its sharding:
-    the output is typed split by rows, and each gradient takes its primal's type (a kernel
-    and bias split along N get split gradients; the GEMM itself gathered them)."""
+    the output is typed split by rows (and by N where the kernel is: column-parallel), and
+    each gradient takes its primal's type."""
     m = mesh((2, 2), ("data", "model"), AxisType.Explicit)
-    x, w, b = operands(rng, 4 * 3, 10, 14)
-    dy = rng.standard_normal((4 * 3, 14))
-    n_axis = "model" if weights == "split-n" else None
+    n_axis, n = ("model", 2 * 128) if weights == "split-n" else (None, 14)
+    x, w, b = operands(rng, 4 * 3, 10, n)
+    dy = rng.standard_normal((4 * 3, n))
     args = (put(m, x, "data"), put(m, w, None, n_axis), put(m, b, n_axis), put(m, dy, "data"))
     y = jax.jit(lambda x, w, b, dy: fused_dense(x, w, b, activation=activation))(*args)
     assert_near(y, reference(x, w, b, activation))
-    assert jax.typeof(y).sharding.spec == P("data", None)
+    assert jax.typeof(y).sharding.spec == P("data", n_axis)
 
     def loss(layer):
         return lambda x, w, b, dy: jnp.sum(layer(x, w, b, activation) * dy)
@@ -242,7 +328,8 @@ def test_explicit_sharding_types_every_result_and_gradient(rng, seen, weights, a
     _, got = layer_grads(loss, args, (x, w, b, dy))
     for g, primal in zip(got, args):
         assert jax.typeof(g).sharding.spec == jax.typeof(primal).sharding.spec
-    assert seen["weight_grad"] == [(6, 10, 14)]  # rows split over "data" only
+    # rows split over "data" only; N over "model" where the weights are
+    assert seen["weight_grad"] == [(6, 10, n // 2 if n_axis else n)]
 
 
 def test_explicit_sharding_fused_mlp(rng, seen):

@@ -175,6 +175,22 @@ def test_column_parallel_weights_keep_each_devices_columns(rng, seen, partitione
     assert collectives(f.lower(*args).compile().as_text()) == {"all-gather": 0, "all-reduce": 0, "all-to-all": 0}
 
 
+def column_parallel_grads(rng, rows, k, n, activation):
+    """A layer's gradients with x split by rows over "data" and the kernel and bias split
+    along N over "model" (checked against the reference): (jitted gradient, its results,
+    the sharded operands)."""
+    m22 = mesh((2, 2), ("data", "model"))
+    x, w, b = operands(rng, 2 * rows, k, n)
+    dy = rng.standard_normal((2 * rows, n))
+
+    def loss(layer):
+        return lambda x, w, b, dy: jnp.sum(layer(x, w, b, activation) * dy)
+
+    args = (put(m22, x, "data"), put(m22, w, None, "model"), put(m22, b, "model"), put(m22, dy, "data", "model"))
+    grad, got = layer_grads(loss, args, (x, w, b, dy))
+    return grad, got, args
+
+
 @pytest.mark.parametrize("activation,n", [("relu", 2 * 128), ("gelu", 2 * 16), (None, 2 * 9)])
 def test_column_parallel_gradients_keep_the_weights_split(rng, seen, partitioner, activation, n):
     """The gradient of a column-parallel layer whose aux splits with N (each device's N a
@@ -182,15 +198,7 @@ def test_column_parallel_gradients_keep_the_weights_split(rng, seen, partitioner
     GEMM each run on one device's rows and columns, the kernel and bias gradients come back
     split like the weights, and no weight is gathered (the sums over rows and over N are
     all-reduces)."""
-    m22 = mesh((2, 2), ("data", "model"))
-    x, w, b = operands(rng, 2 * 5, 13, n)
-    dy = rng.standard_normal((2 * 5, n))
-
-    def loss(layer):
-        return lambda x, w, b, dy: jnp.sum(layer(x, w, b, activation) * dy)
-
-    args = (put(m22, x, "data"), put(m22, w, None, "model"), put(m22, b, "model"), put(m22, dy, "data", "model"))
-    grad, got = layer_grads(loss, args, (x, w, b, dy))
+    grad, got, args = column_parallel_grads(rng, 5, 13, n, activation)
     assert [g.sharding.spec for g in got] == [P("data"), P(None, "model"), P("model")]
     assert seen["dense"] == [(5, 13, n // 2)] * (activation is not None)  # (no activation: XLA's dot)
     assert seen["weight_grad"] == [(5, 13, n // 2)]
@@ -203,15 +211,7 @@ def test_column_parallel_gradients_keep_the_weights_split(rng, seen, partitioner
 def test_a_padded_aux_keeps_n_whole_in_the_forward(rng, seen, partitioner, activation, n):
     """Each device's N not a multiple of the aux's packing: the forward that saves the aux
     gathers the weights (its aux is then the whole layout), the kernel gradient still splits."""
-    m22 = mesh((2, 2), ("data", "model"))
-    x, w, b = operands(rng, 2 * 6, 9, n)
-    dy = rng.standard_normal((2 * 6, n))
-
-    def loss(layer):
-        return lambda x, w, b, dy: jnp.sum(layer(x, w, b, activation) * dy)
-
-    args = (put(m22, x, "data"), put(m22, w, None, "model"), put(m22, b, "model"), put(m22, dy, "data", "model"))
-    _, got = layer_grads(loss, args, (x, w, b, dy))
+    _, got, _ = column_parallel_grads(rng, 6, 9, n, activation)
     assert seen["dense"] == [(6, 9, n)] and seen["weight_grad"] == [(6, 9, n // 2)]
     assert got[1].sharding.spec == P(None, "model")
 

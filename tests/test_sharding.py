@@ -296,6 +296,42 @@ def test_fused_mlp_with_megatron_style_weights(rng, seen, partitioner):
     assert seen["dense"] == [(5, 11, 16), (5, 32, 9)]
 
 
+def test_linen_layer_with_partitioned_params_is_column_parallel(rng, seen):
+    """The Flax way to ask for tensor parallelism (``nn.with_partitioning`` on the kernel and
+    bias) reaches the fused layer: its parameters live split along N, and the forward and
+    the kernel gradient each run on one device's rows and columns."""
+    import flax.linen as nn
+
+    from jax_epilog.linen import FusedDense
+
+    m22 = mesh((2, 2), ("data", "model"))
+    layer = FusedDense(
+        2 * 24,
+        activation="gelu",
+        param_dtype=jnp.float64,
+        implementation="cublaslt",
+        kernel_init=nn.with_partitioning(nn.initializers.lecun_normal(), (None, "model")),
+        bias_init=nn.with_partitioning(nn.initializers.normal(1.0), ("model",)),
+    )
+    x_host = rng.standard_normal((2 * 6, 20))
+    x = put(m22, x_host, "data")
+    with jax.set_mesh(m22):
+        specs = nn.get_partition_spec(jax.eval_shape(layer.init, jax.random.key(0), x))
+        shardings = jax.tree.map(lambda spec: NamedSharding(m22, spec), specs)
+        params = jax.jit(layer.init, out_shardings=shardings)(jax.random.key(0), x)
+        grads = jax.jit(jax.grad(lambda p, x: jnp.sum(layer.apply(p, x) ** 2)))(params, x)
+    kernel, bias = (nn.meta.unbox(params)["params"][name] for name in ("kernel", "bias"))
+    assert kernel.sharding.spec == P(None, "model")
+    want = jax.grad(lambda k, b: jnp.sum(reference(x_host, k, b, "gelu") ** 2), argnums=(0, 1))(
+        np.asarray(kernel), np.asarray(bias)
+    )
+    got = nn.meta.unbox(grads)["params"]
+    assert_near(got["kernel"], want[0])
+    assert_near(got["bias"], want[1])
+    assert got["kernel"].sharding.spec == P(None, "model")
+    assert seen["dense"] == [(6, 20, 24)] and seen["weight_grad"] == [(6, 20, 24)]
+
+
 def test_one_device_lowers_without_a_partitioning_call(rng):
     x, w, b = operands(rng, 8, 5, 3)
     f = jax.jit(jax.grad(lambda x, w, b: jnp.sum(fused_dense(x, w, b, activation="relu")), argnums=(0, 1, 2)))

@@ -327,8 +327,8 @@ def _dense_bwd(config: _Config, residuals, cotangents):
     else:  # one cuBLASLt GEMM writes both (in float32 when the bias is float32)
         dkernel, dbias = fused_weight_grad(x2, dz, compute_type=ct, d_dtype=config.d_dtype)
         dbias = like(dbias.astype(config.bias_dtype), bias)
-    # Under explicit sharding each gradient takes its primal's type (whole weights
-    # from the GEMM, a kernel or bias stored split along N).
+    # Under explicit sharding each gradient takes its primal's type (e.g. a kernel split
+    # along N whose GEMM gathered it: FSDP, or an aux that cannot split).
     return like(dx, x2), like(dkernel.astype(kernel.dtype), kernel), dbias
 
 

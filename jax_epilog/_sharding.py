@@ -203,7 +203,8 @@ def typed(layout: Layout, args, results) -> list[jax.core.ShapedArray]:
 
 def like(value, primal):
     """``value`` (a cotangent) resharded to ``primal``'s type where explicit sharding says
-    they differ (e.g. a kernel gradient, whole from the GEMM, for a kernel split along N)."""
+    they differ (e.g. a kernel gradient, whole from a GEMM that gathered a kernel split
+    along N over the rows' axes)."""
     want = getattr(jax.typeof(primal), "sharding", None)
     have = getattr(jax.typeof(value), "sharding", None)
     if not _explicit(want) or not isinstance(have, NamedSharding) or tuple(want.spec) == tuple(have.spec):

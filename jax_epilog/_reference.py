@@ -61,11 +61,15 @@ def _epilog_dtype(ab_dtype: np.dtype, compute_type: ComputeType) -> np.dtype:
     return np.dtype(np.float32)
 
 
-def _matmul(
-    a: jax.Array, b: jax.Array, contract: tuple[int, int], compute_type: ComputeType, out_sharding=None
-) -> jax.Array:
-    """``a`` and ``b`` contracted over one axis each, accumulated as ``compute_type`` does."""
+def _matmul(a: jax.Array, b: jax.Array, contract: tuple[int, int], compute_type: ComputeType) -> jax.Array:
+    """``a`` and ``b`` contracted over one axis each, accumulated as ``compute_type`` does.
+
+    Under explicit sharding a product of two matrices says how it is split (as the
+    dimensions it keeps are): one summed over a split dimension (the rows in the kernel
+    gradient, N in dx) must."""
     fast = compute_type.name.startswith("COMPUTE_32F_FAST")
+    kept = (1 - contract[0], 1 - contract[1])
+    out_sharding = explicit_product(a, b, *kept) if a.ndim == b.ndim == 2 else None
     return jax.lax.dot_general(
         a,
         b,
@@ -155,8 +159,7 @@ def output_grad(
 
 def input_grad(dz: jax.Array, kernel: jax.Array, compute_type: ComputeType) -> jax.Array:
     """``dx = dz @ kernel^T``, accumulated like the forward."""
-    # (under explicit sharding with N split, the sum over it keeps dz's rows)
-    return _matmul(dz, kernel, (1, 1), compute_type, explicit_product(dz, kernel, 0, 0)).astype(kernel.dtype)
+    return _matmul(dz, kernel, (1, 1), compute_type).astype(kernel.dtype)
 
 
 def gelu_input_grad(dz: jax.Array, kernel: jax.Array, aux: jax.Array, compute_type: ComputeType) -> jax.Array:
@@ -164,7 +167,7 @@ def gelu_input_grad(dz: jax.Array, kernel: jax.Array, aux: jax.Array, compute_ty
     GELU aux (its input z, padded): the dz of the layer before this one, as the GPU's
     ``dgrad`` problem forms it in one GEMM with the DGELU epilog. The product stays in the
     accumulator until it is multiplied by the derivative, then rounds once."""
-    dh = _matmul(dz, kernel, (1, 1), compute_type, explicit_product(dz, kernel, 0, 0))
+    dh = _matmul(dz, kernel, (1, 1), compute_type)
     return output_grad(aux, dh, None, Activation.GELU, compute_type, aux.dtype)
 
 
@@ -173,8 +176,7 @@ def weight_grad(
 ) -> tuple[jax.Array, jax.Array | None]:
     """``(x^T @ dz, sum(dz, axis=0) or None)`` in ``d_dtype``: what the GPU's ``wgrad``
     problem computes with one GEMM and its bias-gradient epilog (BGRADA)."""
-    # (under explicit sharding with the rows split, the sum over them keeps dz's columns)
-    dkernel = _matmul(x, dz, (0, 0), compute_type, explicit_product(x, dz, 1, 1)).astype(d_dtype)
+    dkernel = _matmul(x, dz, (0, 0), compute_type).astype(d_dtype)
     if not with_bias:
         return dkernel, None
     acc = _epilog_dtype(np.dtype(dz.dtype), compute_type)

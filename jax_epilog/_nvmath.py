@@ -18,6 +18,7 @@ that renames them fails loudly, at planning, with a message that says so.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 from typing import Any
@@ -522,13 +523,11 @@ _plans_lock = threading.Lock()
 # tuned on the current device only), so that no device runs a slower algorithm than the
 # rest, which would all wait for it.
 _tuned: dict[tuple[EpilogSpec, int, str], int] = {}
-_models: dict[int, str] = {}
 
 
+@functools.cache
 def _model(device_id: int) -> str:
-    if device_id not in _models:
-        _models[device_id] = str(cp.cuda.runtime.getDeviceProperties(device_id)["name"])
-    return _models[device_id]
+    return str(cp.cuda.runtime.getDeviceProperties(device_id)["name"])
 
 
 def get_plan(spec: EpilogSpec, device_id: int, alignment: int = 256, autotune: bool = False) -> Plan:

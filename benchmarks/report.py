@@ -13,6 +13,12 @@ def _f(value, digits=1):
     return "—" if value is None else f"{value:.{digits}f}"
 
 
+def _pair(row: dict, variant: str) -> str:
+    """"fused / XLA µs | XLA/fused×" for a chain variant; "— | —" where the file predates it."""
+    fused, xla = row.get(f"fused_{variant}_us"), row.get(f"xla_{variant}_us")
+    return f"{_f(fused)} / {_f(xla)} | {_f(xla / fused, 2)}×" if fused and xla else "— | —"
+
+
 def render(paths: list[str]) -> str:
     lines = []
     for path in paths:
@@ -37,19 +43,21 @@ def render(paths: list[str]) -> str:
         if chain:
             # With command buffers off a 256-row chain is bound by host time, so the step time
             # difference per layer is what one fused_dense call costs the host beyond XLA's op.
-            # "x donated": x = chain(x, ...) with x's buffer donated, so every step runs on the
-            # same buffers (XLA then launches its recorded graph without updating it).
+            # "result released": the previous step's result deleted before the next call, and
+            # "x donated": x = chain(x, ...) with x's buffer donated; either way every step runs
+            # on the same buffers (XLA then launches its recorded graph without updating it).
             lines += ["", "| chain | act | fused_dense µs/step | XLA µs/step | XLA/fused | (fused − XLA) / layers µs "
+                      "| result released: fused / XLA µs | result released: XLA/fused "
                       "| x donated: fused / XLA µs | x donated: XLA/fused "
-                      "| handler runs / layer runs | handler host µs/run |", "|---|---|---|---|---|---|---|---|---|---|"]
+                      "| handler runs / layer runs | handler host µs/run |",
+                      "|---|---|---|---|---|---|---|---|---|---|---|---|"]
             for r in chain:
                 depth = int(r["chain"].split("x")[0])
-                fd, xd = r.get("fused_donated_us"), r.get("xla_donated_us")
-                donated = f"{_f(fd)} / {_f(xd)} | {_f(xd / fd, 2)}×" if fd and xd else "— | —"
                 lines.append(
                     f"| {r['chain']} | {r['activation']} | {_f(r['fused_us'])} | {_f(r['xla_us'])} "
                     f"| {_f(r['xla_us'] / r['fused_us'], 2)}× | {_f((r['fused_us'] - r['xla_us']) / depth)} "
-                    f"| {donated} | {r['handler_calls']} / {r['layer_runs']} | {_f(r['handler_host_us'])} |")
+                    f"| {_pair(r, 'released')} | {_pair(r, 'donated')} "
+                    f"| {r['handler_calls']} / {r['layer_runs']} | {_f(r['handler_host_us'])} |")
         lines.append("")
     return "\n".join(lines)
 

@@ -574,7 +574,7 @@ def _repeat(layer, steps: int):
 
 
 HOST_STEPS, CHAIN_DEPTH = 64, 16
-N_CEILING, N_HOST = 2, 4 + 2 * 3 * 2  # measurements, for the progress counter
+N_CEILING, N_HOST = 2, 4 + 2 * 4 * 2  # measurements, for the progress counter
 
 
 def bench_host(settings: Settings, scale: int, progress: Progress, on_gpu: bool) -> dict:
@@ -605,10 +605,14 @@ def bench_host(settings: Settings, scale: int, progress: Progress, on_gpu: bool)
             progress.report(f"host: {m}x{k}->{k} relu {name}, {what}", f"{t.us / steps:.1f} µs per call")
     # Weights stacked in one array and sliced in the jit (XLA folds the slices into the
     # custom call), or one array per layer as Flax's layers hold them: XLA compiles its own
-    # chain differently for the two (benchmarks/README.md, "Chains"). "x donated": the
-    # stacked chain called as x = chain(x, ...), a training loop's pattern, so that every
-    # step runs on the same buffers and XLA launches its recorded graph without updating it.
-    layouts = {"stacked": (ws, bs), "per-layer": (tuple(ws), tuple(bs)), "stacked, x donated": (ws, bs)}
+    # chain differently for the two (benchmarks/README.md, "Chains"). "result released":
+    # the stacked chain with each step's result deleted before the next call; "x donated":
+    # called as x = chain(x, ...), a training loop's pattern. In both every step runs on the
+    # same buffers and XLA launches its recorded graph without updating it.
+    layouts = {
+        "stacked": (ws, bs), "per-layer": (tuple(ws), tuple(bs)),
+        "stacked, result released": (ws, bs), "stacked, x donated": (ws, bs),
+    }  # fmt: skip
     chains = []
     for act in RELU_GELU:
         for weights, (w_arg, b_arg) in layouts.items():
@@ -618,6 +622,9 @@ def bench_host(settings: Settings, scale: int, progress: Progress, on_gpu: bool)
                     forward.feedback(forward.chain(layers[name](act), CHAIN_DEPTH, donate=True), x, w_arg, b_arg)
                     for name in layers
                 ]
+                calls = [lambda i, s=s: s() for s in steps]
+            elif weights.endswith("released"):
+                steps = [forward.released(forward.chain(layers[name](act), CHAIN_DEPTH), x, w_arg, b_arg) for name in layers]
                 calls = [lambda i, s=s: s() for s in steps]
             else:
                 programs = [forward.chain(layers[name](act), CHAIN_DEPTH) for name in layers]

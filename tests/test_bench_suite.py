@@ -334,7 +334,9 @@ def test_host_section_times_each_chain_variant_on_cpu():
     assert progress.done == run.N_HOST  # the progress counter's total is right
     variants = [(c["activation"], c["weights"]) for c in host["chain"]]
     assert variants == [
-        (act, weights) for act in run.RELU_GELU for weights in ("stacked", "per-layer", "stacked, x donated")
+        (act, weights)
+        for act in run.RELU_GELU
+        for weights in ("stacked", "per-layer", "stacked, result released", "stacked, x donated")
     ]
     for c in host["chain"]:
         assert c["jax_epilog_us"] > 0 and c["xla_us"] > 0 and c["layer_runs"] > 0
@@ -537,13 +539,29 @@ def test_chain_with_donated_input_feeds_each_result_back(tmp_path):
     assert not x.is_deleted()  # the caller's array is copied before the first donation
 
     row = dict(chain="2x 5x3->3", activation="relu", fused_us=80.0, xla_us=100.0, handler_calls=4,
-               layer_runs=400, handler_host_us=20.0, fused_donated_us=70.0, xla_donated_us=91.0)  # fmt: skip
-    old = {k: v for k, v in row.items() if "donated" not in k}  # files written before the column
-    for rows, cell in (([row], "70.0 / 91.0 | 1.30×"), ([old], "— | —")):
+               layer_runs=400, handler_host_us=20.0, fused_released_us=75.0, xla_released_us=99.0,
+               fused_donated_us=70.0, xla_donated_us=91.0)  # fmt: skip
+    old = {k: v for k, v in row.items() if "donated" not in k and "released" not in k}  # files before the columns
+    for rows, cells in (([row], ("75.0 / 99.0 | 1.32×", "70.0 / 91.0 | 1.30×")), ([old], ("— | — | — | —",))):
         path = tmp_path / "forward-x.json"
         versions = dict(gpu="H200", jax="0.11.2", XLA_FLAGS="")
         path.write_text(json.dumps(dict(label="x", versions=versions, rows=rows)))
-        assert cell in report.render([str(path)])
+        table = report.render([str(path)])
+        assert all(cell in table for cell in cells), table
+
+
+def test_released_chain_deletes_each_result_before_the_next_call():
+    from benchmarks import forward
+
+    rng = np.random.default_rng()
+    x = jnp.asarray(rng.standard_normal((4, 3)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((3, 3)), jnp.float32)
+    step = forward.released(jax.jit(lambda x, w: x @ w), x, w)
+    first = step()
+    np.testing.assert_allclose(first, np.asarray(x) @ np.asarray(w), rtol=1e-6)
+    second = step()
+    assert first.is_deleted() and not second.is_deleted() and not x.is_deleted()
+    np.testing.assert_allclose(second, np.asarray(x) @ np.asarray(w), rtol=1e-6)
 
 
 def test_write_results_writes_json_and_markdown(tmp_path):
@@ -610,3 +628,30 @@ def test_kernel_profile_peer_case_runs_the_suites_call(monkeypatch):
     step, args = kernels._peer_case("relu", "jax_epilog")
     y = jax.block_until_ready(step(*args))
     assert y.shape == (24, 56) and float(jnp.min(y)) == 0.0 and float(jnp.max(y)) > 0.0
+
+
+def test_forward_chain_rows_time_every_calling_pattern(monkeypatch):
+    from benchmarks import forward
+
+    monkeypatch.setattr(forward, "SETTINGS", run.Settings(samples=1, min_calls=2, sample_s=0.0, warmup=1))
+    rows = []
+    forward.bench_chain(rows, depth=2, sizes=((5, 8),))
+    assert [(r["chain"], r["activation"]) for r in rows] == [("2x 5x8->8", "relu"), ("2x 5x8->8", "gelu")]
+    for r in rows:
+        for variant in ("", "_released", "_donated"):
+            assert r[f"fused{variant}_us"] > 0 and r[f"xla{variant}_us"] > 0
+        assert r["layer_runs"] > 0
+
+
+def test_chain_outputs_probe_times_every_pattern(monkeypatch, capsys):
+    from benchmarks.probes import chain_outputs
+
+    monkeypatch.setattr(chain_outputs, "M", 3)
+    monkeypatch.setattr(chain_outputs, "K", 8)
+    monkeypatch.setattr(chain_outputs, "DEPTH", 2)
+    monkeypatch.setattr(chain_outputs, "time_jax_interleaved", lambda *cases: [float(len(cases))] * len(cases))
+    rows = chain_outputs.main()
+    patterns = {(r["program"], r["pattern"]) for r in rows}
+    assert {("fused", p) for p in ("replace", "released", "keep 8", "donated")} <= patterns
+    assert ("one XLA op", "released") in patterns and len(rows) == 2 * 12
+    assert "relu released   XLA/fused 1.00x" in capsys.readouterr().out

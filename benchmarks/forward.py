@@ -264,6 +264,17 @@ def tuning_choices(plans: dict) -> dict[str, str]:
     return choices
 
 
+def replay_states(plans: dict) -> dict[str, str]:
+    """Each plan's one-GEMM graphs for calls outside command buffers, e.g. {"RELU_BIAS
+    256x1024->1024 bfloat16 (align 256)": "48 graphs kept, 0 dropped, replaying"}."""
+    states = {}
+    for (spec, _device, alignment), plan in plans.items():
+        kept, dropped, replaying = plan.replay_stats
+        name = f"{spec.epilog} {spec.m}x{spec.k}->{spec.n} {spec.ab_dtype} (align {alignment})"
+        states[name] = f"{kept} graphs kept, {dropped} dropped, {'replaying' if replaying else 'replay off'}"
+    return states
+
+
 def versions() -> dict:
     info = dict(jax=jax.__version__, python=platform.python_version(), gpu=str(jax.devices()[0].device_kind))
     for name in ("nvmath", "cupy"):
@@ -310,11 +321,14 @@ def main(argv=None):
 
         plans = Counter(f"alignment {key[2]}" for key in _nvmath._plans)
         tuned = tuning_choices(_nvmath._plans)
-        result = dict(label=args.label, versions=versions(), rows=rows, plans=plans, tuned=tuned)
+        replay = replay_states(_nvmath._plans)
+        result = dict(label=args.label, versions=versions(), rows=rows, plans=plans, tuned=tuned, replay=replay)
         json.dump(result, fh, indent=1)
     print(f"plans made: {dict(plans)}")
     for problem, choice in tuned.items():
         print(f"tuned {problem}: {choice}")
+    for problem, state in replay.items():
+        print(f"replay {problem}: {state}")
     print(f"wrote {path}")
 
 

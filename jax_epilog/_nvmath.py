@@ -79,8 +79,11 @@ _CAPTURE_RELAXED = int(cudart.cudaStreamCaptureMode.cudaStreamCaptureModeRelaxed
 # host cost inside the handler was 15.7-17.5 µs on the H200. At most _REPLAY_GRAPHS per
 # plan (the oldest goes first); a plan that has dropped that many stops making graphs (a
 # program cycling through more pointer sets than that would capture at every call).
-# JAX_EPILOG_REPLAY=0 turns replay off.
-_REPLAY_AFTER, _REPLAY_GRAPHS, _REPLAY_SEEN = 2, 64, 1024
+# A plan serves every layer of its shape, and a layer's pointers move with XLA's temporary
+# buffers between calls: three 16-layer programs of one shape, called with each result
+# held until the next call, outgrew 64 graphs on the H200 (handler 10.9-15.7 µs per run
+# instead of 6-10, 2026-12-03 (q)), hence 256. JAX_EPILOG_REPLAY=0 turns replay off.
+_REPLAY_AFTER, _REPLAY_GRAPHS, _REPLAY_SEEN = 2, 256, 4096
 
 _NP_DTYPES = {
     "float16": np.dtype(np.float16),
@@ -450,6 +453,11 @@ class Plan:
                     graph.launch(ext)
                     return
         self._matmul(stream, a, b, bias, d, aux)
+
+    @property
+    def replay_stats(self) -> tuple[int, int, bool]:
+        """(graphs kept, graphs dropped to make room, whether the plan still replays)."""
+        return len(self._graphs), self._dropped, self._replay
 
     def _external(self, stream: int) -> cp.cuda.ExternalStream:
         if len(self._streams) >= _REPLAY_SEEN:

@@ -157,6 +157,26 @@ def bench_single(rows):
             print(json.dumps(row), flush=True)
 
 
+def chain_operands(m: int, k: int, depth: int, seed: int = 2):
+    """x (m, k) and ``depth`` stacked square layers' weights (depth, k, k) and biases
+    (depth, k), bf16, scaled so that activations stay O(1) along the chain."""
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    ws = jnp.asarray(rng.standard_normal((depth, k, k)) / np.sqrt(k), jnp.bfloat16)
+    bs = jnp.asarray(rng.standard_normal((depth, k)) * 0.1, jnp.bfloat16)
+    return x, ws, bs
+
+
+def chain_layers(activation: str) -> dict:
+    """The two layers a chain benchmark compares: {"fused": fused_dense (cuBLASLt path),
+    "xla": XLA's jit of ``act(x @ w + b)``}."""
+    act = activation_fn(activation)
+    return {
+        "fused": partial(fused_dense, activation=activation, implementation="cublaslt"),
+        "xla": lambda x, w, b: act(x @ w + b),
+    }
+
+
 def chain(layer, depth=16, donate=False):
     """A jitted ``depth``-layer chain ``x = layer(x, ws[i], bs[i])`` (weights sliced from
     stacked arrays, or taken from tuples of per-layer arrays); ``donate``: x's buffer is
@@ -214,14 +234,9 @@ def released(program, *args):
 
 def bench_chain(rows, depth=16, sizes=((256, 1024), (2048, 1024))):
     for m, k in sizes:
-        rng = np.random.default_rng(2)
-        x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-        ws = jnp.asarray(rng.standard_normal((depth, k, k)) / np.sqrt(k), jnp.bfloat16)
-        bs = jnp.asarray(rng.standard_normal((depth, k)) * 0.1, jnp.bfloat16)
+        x, ws, bs = chain_operands(m, k, depth)
         for activation in ("relu", "gelu"):
-            act = activation_fn(activation)
-            fused_layer = partial(fused_dense, activation=activation, implementation="cublaslt")
-            xla_layer = lambda x, w, b, act=act: act(x @ w + b)
+            fused_layer, xla_layer = chain_layers(activation).values()
             fused, xla = chain(fused_layer, depth), chain(xla_layer, depth)
             jax.block_until_ready(xla(x, ws, bs))
             calls0, ns0, res0 = _ffi.handler_stats()
@@ -322,7 +337,9 @@ def main(argv=None):
         plans = Counter(f"alignment {key[2]}" for key in _nvmath._plans)
         tuned = tuning_choices(_nvmath._plans)
         replay = replay_states(_nvmath._plans)
-        result = dict(label=args.label, versions=versions(), rows=rows, plans=plans, tuned=tuned, replay=replay)
+        result = dict(
+            label=args.label, versions=versions(), rows=rows, plans=plans, tuned=tuned, replay=replay
+        )
         json.dump(result, fh, indent=1)
     print(f"plans made: {dict(plans)}")
     for problem, choice in tuned.items():

@@ -16,31 +16,20 @@ from __future__ import annotations
 import json
 import os
 import sys
-from functools import partial
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
-from benchmarks.forward import activation_fn, chain, time_jax_interleaved
-from jax_epilog import fused_dense
+from benchmarks.forward import chain, chain_layers, chain_operands, time_jax_interleaved
 
-M, K, N = 256, 1024, 1024
+M, K = 256, 1024
 DEPTHS = (16, 64)
 
 
 def main(out: str) -> list[dict]:
-    rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.standard_normal((M, K)), jnp.bfloat16)
-    ws = jnp.asarray(rng.standard_normal((max(DEPTHS), K, N)) / np.sqrt(K), jnp.bfloat16)
-    bs = jnp.asarray(rng.standard_normal((max(DEPTHS), N)) * 0.1, jnp.bfloat16)
+    x, ws, bs = chain_operands(M, K, max(DEPTHS), seed=0)
     rows = []
     for activation in ("relu", "gelu"):
-        act = activation_fn(activation)
-        layers = {
-            "fused": partial(fused_dense, activation=activation, implementation="cublaslt"),
-            "xla": lambda x, w, b, act=act: act(x @ w + b),
-        }
+        layers = chain_layers(activation)
         programs = {(name, d): chain(layer, d) for name, layer in layers.items() for d in DEPTHS}
         for program in programs.values():
             jax.block_until_ready(program(x, ws, bs))  # compiled and planned before timing

@@ -27,14 +27,11 @@ import collections
 import json
 import os
 import sys
-from functools import partial
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
-from benchmarks.forward import activation_fn, chain, feedback, released, time_jax_interleaved
-from jax_epilog import _ffi, fused_dense
+from benchmarks.forward import chain, chain_layers, chain_operands, feedback, released, time_jax_interleaved
+from jax_epilog import _ffi
 
 M, K, DEPTH = 256, 1024, 16
 
@@ -54,25 +51,40 @@ def keep(program, *args, count=8):
 
 
 def addresses(step, calls=40) -> int:
-    seen = set()
+    """How many distinct result buffers ``calls`` untimed calls produce, each result held
+    until the next call returns, as in the timed batches (the runs of 2026-12-03 (q) dropped
+    each result at once, so their "replace" rows read 1)."""
+    seen, result = set(), None
     for _ in range(calls):
-        seen.add(step().unsafe_buffer_pointer())
-    jax.block_until_ready(step())
+        result = step()
+        seen.add(result.unsafe_buffer_pointer())
+    jax.block_until_ready(result)
     return len(seen)
 
 
+def with_xla_op_last(program):
+    """``program`` followed by a small XLA op (``+ bs[0] * 0``, which XLA does not fold for
+    floats), so that an XLA kernel, not the last custom call, writes the result."""
+    return jax.jit(lambda x, ws, bs: program(x, ws, bs) + bs[0] * 0)
+
+
+def counted(step, runs: dict, key):
+    """``step`` that adds the FFI handler's runs during each call to ``runs[key]``."""
+
+    def call():
+        before = _ffi.handler_stats()[0]
+        result = step()
+        runs[key] += _ffi.handler_stats()[0] - before
+        return result
+
+    return call
+
+
 def main(out: str | None = None) -> list[dict]:
-    rng = np.random.default_rng(2)
-    x = jnp.asarray(rng.standard_normal((M, K)), jnp.bfloat16)
-    ws = jnp.asarray(rng.standard_normal((DEPTH, K, K)) / np.sqrt(K), jnp.bfloat16)
-    bs = jnp.asarray(rng.standard_normal((DEPTH, K)) * 0.1, jnp.bfloat16)
+    x, ws, bs = chain_operands(M, K, DEPTH)
     rows = []
     for activation in ("relu", "gelu"):
-        act = activation_fn(activation)
-        layers = {
-            "fused": partial(fused_dense, activation=activation, implementation="cublaslt"),
-            "xla": lambda x, w, b, act=act: act(x @ w + b),
-        }
+        layers = chain_layers(activation)
         steps = {}
         for name, layer in layers.items():
             program = chain(layer, DEPTH)
@@ -84,28 +96,18 @@ def main(out: str | None = None) -> list[dict]:
         # The fused chain with one small XLA op after its last layer (the result is then
         # written by an XLA kernel, not by our custom call), and one XLA op alone (host-bound:
         # what the calling pattern costs any program).
-        tail = jax.jit(lambda x, ws, bs: chain(layers["fused"], DEPTH)(x, ws, bs) + bs[0] * 0)
+        tail = with_xla_op_last(chain(layers["fused"], DEPTH))
         small = jax.jit(lambda x, ws, bs: x * 2 + 1)
         for name, program in (("fused + XLA op", tail), ("one XLA op", small)):
             jax.block_until_ready(program(x, ws, bs))
             steps[(name, "replace")] = replace(program, x, ws, bs)
             steps[(name, "released")] = released(program, x, ws, bs)
         distinct = {key: addresses(step) for key, step in steps.items()}
-        runs = {}
-
-        def counted(key, step):
-            def call():
-                before = _ffi.handler_stats()[0]
-                result = step()
-                runs[key] = runs.get(key, 0) + _ffi.handler_stats()[0] - before
-                return result
-
-            return call
-
-        times = time_jax_interleaved(*((counted(k, s), ()) for k, s in steps.items()))
+        runs = dict.fromkeys(steps, 0)
+        times = time_jax_interleaved(*((counted(step, runs, key), ()) for key, step in steps.items()))
         for (key, step), us in zip(steps.items(), times):
             row = dict(act=activation, program=key[0], pattern=key[1], us=round(us, 1),
-                       handler_runs=runs.get(key, 0), addresses=distinct[key])  # fmt: skip
+                       handler_runs=runs[key], addresses=distinct[key])  # fmt: skip
             rows.append(row)
             print(json.dumps(row), flush=True)
         us = {key: t for key, t in zip(steps, times)}
@@ -113,8 +115,11 @@ def main(out: str | None = None) -> list[dict]:
             ratio = us[("xla", pattern)] / us[("fused", pattern)]
             print(f"{activation:4s} {pattern:10s} XLA/fused {ratio:.2f}x", flush=True)
         for name in ("fused + XLA op", "one XLA op"):
-            print(f"{activation:4s} {name:14s} replace {us[(name, 'replace')]:.1f} µs, "
-                  f"released {us[(name, 'released')]:.1f} µs", flush=True)
+            print(
+                f"{activation:4s} {name:14s} replace {us[(name, 'replace')]:.1f} µs, "
+                f"released {us[(name, 'released')]:.1f} µs",
+                flush=True,
+            )
     if out:
         with open(os.path.join(out, f"chain_outputs-{os.getpid()}.json"), "w") as fh:
             json.dump(rows, fh, indent=1)

@@ -218,9 +218,9 @@ def feedback(program, x, ws, bs):
 def released(program, *args):
     """``program(*args)`` called with the previous result deleted first, so that each call
     may get the same output buffer back and XLA launches its recorded command buffer
-    unchanged (benchmarks/probes/chain_outputs.py: with the previous result alive while the
-    next call is dispatched, a host-bound chain scattered between 0.87x and 1.29x XLA's
-    time; released, or with x donated, it did not)."""
+    unchanged. With the previous result alive while the next call is dispatched, the fused
+    16-layer chain at 256 rows read 0.91-1.36x XLA's time over eight processes; released,
+    or with x donated, 1.26-1.52x (benchmarks/probes/chain_outputs.py, 2026-12-03 (q))."""
     held = []
 
     def step():

@@ -624,7 +624,8 @@ def bench_host(settings: Settings, scale: int, progress: Progress, on_gpu: bool)
                 ]
                 calls = [lambda i, s=s: s() for s in steps]
             elif weights.endswith("released"):
-                steps = [forward.released(forward.chain(layers[name](act), CHAIN_DEPTH), x, w_arg, b_arg) for name in layers]
+                programs = [forward.chain(layers[name](act), CHAIN_DEPTH) for name in layers]
+                steps = [forward.released(p, x, w_arg, b_arg) for p in programs]
                 calls = [lambda i, s=s: s() for s in steps]
             else:
                 programs = [forward.chain(layers[name](act), CHAIN_DEPTH) for name in layers]

@@ -80,9 +80,10 @@ _CAPTURE_RELAXED = int(cudart.cudaStreamCaptureMode.cudaStreamCaptureModeRelaxed
 # plan (the oldest goes first); a plan that has dropped that many stops making graphs (a
 # program cycling through more pointer sets than that would capture at every call).
 # A plan serves every layer of its shape, and a layer's pointers move with XLA's temporary
-# buffers between calls: three 16-layer programs of one shape, called with each result
-# held until the next call, outgrew 64 graphs on the H200 (handler 10.9-15.7 µs per run
-# instead of 6-10, 2026-12-03 (q)), hence 256. JAX_EPILOG_REPLAY=0 turns replay off.
+# buffers from call to call: the chain benchmark's 16-layer programs needed 108 graphs per
+# plan on the H200, and with 64 every plan dropped 64 and stopped replaying (handler
+# 12.0-15.4 µs per run against 5.7-9.0; benchmarks/README.md, 2026-12-03 (q)), hence 256.
+# JAX_EPILOG_REPLAY=0 turns replay off.
 _REPLAY_AFTER, _REPLAY_GRAPHS, _REPLAY_SEEN = 2, 256, 4096
 
 _NP_DTYPES = {

@@ -655,3 +655,20 @@ def test_chain_outputs_probe_times_every_pattern(monkeypatch, capsys):
     assert {("fused", p) for p in ("replace", "released", "keep 8", "donated")} <= patterns
     assert ("one XLA op", "released") in patterns and len(rows) == 2 * 12
     assert "relu released   XLA/fused 1.00x" in capsys.readouterr().out
+
+
+def test_replay_states_name_each_plan_and_its_graphs():
+    from collections import namedtuple
+
+    from benchmarks import forward
+
+    Spec = namedtuple("Spec", "epilog m k n ab_dtype")
+    relu, gelu = Spec("RELU_BIAS", 256, 1024, 1024, "bfloat16"), Spec("GELU_BIAS", 8, 16, 24, "float16")
+    plans = {
+        (relu, 0, 256): SimpleNamespace(replay_stats=(108, 0, True)),
+        (gelu, 0, 16): SimpleNamespace(replay_stats=(0, 64, False)),
+    }
+    assert forward.replay_states(plans) == {
+        "RELU_BIAS 256x1024->1024 bfloat16 (align 256)": "108 graphs kept, 0 dropped, replaying",
+        "GELU_BIAS 8x16->24 float16 (align 16)": "0 graphs kept, 64 dropped, replay off",
+    }

@@ -577,6 +577,17 @@ HOST_STEPS, CHAIN_DEPTH = 64, 16
 N_CEILING, N_HOST = 2, 4 + 2 * 4 * 2  # measurements, for the progress counter
 
 
+def _chain_step(layer, weights: str, x, ws, bs):
+    """One step of a CHAIN_DEPTH-layer chain as its variant calls it: ``x = chain(x, ...)``
+    with x donated, ``chain(x, ...)`` with the previous result released first, or plain."""
+    if weights.endswith("donated"):
+        return forward.feedback(forward.chain(layer, CHAIN_DEPTH, donate=True), x, ws, bs)
+    program = forward.chain(layer, CHAIN_DEPTH)
+    if weights.endswith("released"):
+        return forward.released(program, x, ws, bs)
+    return partial(program, x, ws, bs)
+
+
 def bench_host(settings: Settings, scale: int, progress: Progress, on_gpu: bool) -> dict:
     m, k = 256 // scale, 1024 // scale
     rng = np.random.default_rng(4)
@@ -617,19 +628,8 @@ def bench_host(settings: Settings, scale: int, progress: Progress, on_gpu: bool)
     for act in RELU_GELU:
         for weights, (w_arg, b_arg) in layouts.items():
             entry = {"layers": CHAIN_DEPTH, "shape": f"{m}x{k}->{k}", "activation": act, "weights": weights}
-            if weights.endswith("donated"):
-                steps = [
-                    forward.feedback(forward.chain(layers[name](act), CHAIN_DEPTH, donate=True), x, w_arg, b_arg)
-                    for name in layers
-                ]
-                calls = [lambda i, s=s: s() for s in steps]
-            elif weights.endswith("released"):
-                programs = [forward.chain(layers[name](act), CHAIN_DEPTH) for name in layers]
-                steps = [forward.released(p, x, w_arg, b_arg) for p in programs]
-                calls = [lambda i, s=s: s() for s in steps]
-            else:
-                programs = [forward.chain(layers[name](act), CHAIN_DEPTH) for name in layers]
-                calls = [lambda i, p=p, w=w_arg, b=b_arg: p(x, w, b) for p in programs]
+            steps = [_chain_step(layers[name](act), weights, x, w_arg, b_arg) for name in layers]
+            calls = [lambda i, s=s: s() for s in steps]
             clocks = [HandlerCountingClock() for _ in layers]
             before = _ffi.handler_stats()
             timings = measure_interleaved(list(zip(calls, clocks)), settings)

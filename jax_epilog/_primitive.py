@@ -310,7 +310,8 @@ def fused_gelu_input_grad(dz, kernel, aux, *, compute_type):
 
 def _igrad_abstract_eval(dz, kernel, aux, *, compute_type, partitioned=False):
     del compute_type, partitioned
-    return typed(_igrad_layout(()), (dz, kernel, aux), [((dz.shape[0], kernel.shape[0]), aux.dtype)])
+    args = (dz, kernel, aux)
+    return typed(_igrad_layout(args), args, [((dz.shape[0], kernel.shape[0]), aux.dtype)])
 
 
 def _igrad_layout(args, **params) -> Layout:

@@ -5,9 +5,10 @@ FusedMLP, FusedDense and nn.Dense.
     python -m benchmarks.training --out DIR [--part grad|mlp|example|all]
 
 fwd+bwd rows time ``jax.jit(jax.grad(loss, argnums=(0, 1, 2)))`` with
-``loss = sum(act(x @ w + b))`` (summed in float32), once through ``fused_dense`` and once as
-the plain jnp expression, with the method of benchmarks.forward (median of 7 interleaved
-samples of back-to-back calls). TF/s counts three GEMMs: 6 * M * N * K flops per step.
+``loss = sum(act(x @ w + b))`` (summed in float32), through ``fused_dense`` with its cuBLASLt
+backward (``implementation="cublaslt"``), through ``fused_dense`` as users call it ("auto":
+XLA's autodiff under ``jax.grad``) and as the plain jnp expression, with the method of
+benchmarks.forward (median of 7 interleaved samples of back-to-back calls). TF/s counts three GEMMs: 6 * M * N * K flops per step.
 MLP rows time the same for a transformer MLP block ``gelu(x @ w1 + b1) @ w2 + b2`` (M×D →
 4D → D, bf16) with ``loss = sum(y**2) / 2`` (so the output's cotangent is a real array, as in
 training): XLA's jit of the plain expression, two ``fused_dense`` calls ("auto") and
@@ -24,6 +25,7 @@ import importlib.util
 import json
 import sys
 import warnings
+from functools import partial
 from pathlib import Path
 
 import jax
@@ -38,6 +40,9 @@ GRAD_SHAPES = [(8192, 1024, 4096), (8192, 4096, 16384), (8192, 4096, 1024)]
 # (1000: not a multiple of 8), which set fused_mlp's "auto" rule (link from 8192 rows).
 MLP_SHAPES = [(8192, 1024), (8192, 4096), (2048, 1024), (1000, 1024), (512, 2048), (256, 1024), (128, 1024)]
 MLP_CONTENDERS = ("xla", "fused_dense", "fused_mlp", "fused_mlp_cublaslt")
+# fwd+bwd of one layer: fused_dense with the cuBLASLt backward ("fused"), fused_dense as
+# users call it ("auto": XLA's autodiff under jax.grad), and XLA's jit of the expression.
+GRAD_CONTENDERS = ("fused", "auto", "xla")
 
 
 def layer_inputs(m: int, k: int, n: int, rng: np.random.Generator):
@@ -48,25 +53,34 @@ def layer_inputs(m: int, k: int, n: int, rng: np.random.Generator):
     return x, w, b
 
 
+def grad_steps(activation: str):
+    """``jax.jit(jax.grad(sum(layer(x, w, b))))`` for each of GRAD_CONTENDERS."""
+    act = activation_fn(activation)
+    layers = {
+        "fused": partial(fused_dense, activation=activation, implementation="cublaslt"),
+        "auto": partial(fused_dense, activation=activation),
+        "xla": lambda x, w, b: act(x @ w + b),
+    }
+    return {
+        c: jax.jit(jax.grad(lambda x, w, b, f=layers[c]: jnp.sum(f(x, w, b), dtype=jnp.float32), argnums=(0, 1, 2)))
+        for c in GRAD_CONTENDERS
+    }
+
+
 def bench_grad(rows):
     for m, k, n in GRAD_SHAPES:
         x, w, b = layer_inputs(m, k, n, np.random.default_rng(3))
         for activation in ("relu", "gelu"):
-            act = activation_fn(activation)
-            fused_loss = lambda x, w, b, a=activation: jnp.sum(
-                fused_dense(x, w, b, activation=a, implementation="cublaslt"), dtype=jnp.float32
-            )
-            plain_loss = lambda x, w, b, act=act: jnp.sum(act(x @ w + b), dtype=jnp.float32)
-            fused, xla = (jax.jit(jax.grad(f, argnums=(0, 1, 2))) for f in (fused_loss, plain_loss))
+            steps = grad_steps(activation)
             calls0, ns0, _ = _ffi.handler_stats()
-            t_fused, t_xla = time_jax_interleaved((fused, (x, w, b)), (xla, (x, w, b)))
+            times = dict(zip(steps, time_jax_interleaved(*[(s, (x, w, b)) for s in steps.values()])))
             calls1, ns1, _ = _ffi.handler_stats()
             flops = 6 * m * n * k
             row = dict(
                 shape=f"{m}x{k}->{n}", dtype="bfloat16", activation=activation, mode="fwd+bwd",
-                fused_us=t_fused, xla_us=t_xla, fused_tflops=flops / t_fused / 1e6,
-                xla_tflops=flops / t_xla / 1e6, handler_calls=calls1 - calls0,
-                handler_host_us=(ns1 - ns0) / max(1, calls1 - calls0) / 1e3,
+                **{f"{c}_us": t for c, t in times.items()},
+                **{f"{c}_tflops": flops / t / 1e6 for c, t in times.items()},
+                handler_calls=calls1 - calls0, handler_host_us=(ns1 - ns0) / max(1, calls1 - calls0) / 1e3,
             )  # fmt: skip
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -140,11 +154,13 @@ def render(rows) -> str:
     lines = []
     grad = [r for r in rows if r.get("mode") == "fwd+bwd"]
     if grad:
-        lines += ["| M×K→N (bf16) | act | fused_dense µs | XLA jit(grad) µs | XLA/fused | fused TF/s | XLA TF/s |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += ["| M×K→N (bf16) | act | fused_dense \"cublaslt\" µs (TF/s) | \"auto\" µs (TF/s) "
+                  "| XLA jit(grad) µs (TF/s) | XLA/cublaslt | XLA/auto |",
+                  "|---|---|---|---|---|---|---|"]  # fmt: skip
         for r in grad:
-            lines.append(f"| {r['shape']} | {r['activation']} | {r['fused_us']:.1f} | {r['xla_us']:.1f} "
-                         f"| {r['xla_us'] / r['fused_us']:.2f}× | {r['fused_tflops']:.0f} | {r['xla_tflops']:.0f} |")
+            cells = " | ".join(f"{r[c + '_us']:.1f} ({r[c + '_tflops']:.0f})" for c in GRAD_CONTENDERS)
+            lines.append(f"| {r['shape']} | {r['activation']} | {cells} "
+                         f"| {r['xla_us'] / r['fused_us']:.2f}× | {r['xla_us'] / r['auto_us']:.2f}× |")  # fmt: skip
         lines.append("")
     mlp = [r for r in rows if r.get("mode") == "mlp fwd+bwd"]
     if mlp:

@@ -19,7 +19,8 @@ faster than its own four-to-a-call rate there); the suite's forward calls at 819
 ("peer-..."), and at 8192x4096->16384 the fused call beside "auto" ("auto-...", the same
 plan: they have timed 1-3% apart in the suite); fwd+bwd ``jax.grad`` of ``sum(act(x @ w + b))`` at 8192x1024->4096 bf16 for
 XLA's plain expression, ``fused_dense(implementation="cublaslt")`` and the fused forward with
-XLA's backward (benchmarks.backward_variants); 16-layer chains at 256x1024->1024 with the
+XLA's backward (benchmarks.backward_variants), and the first two at benchmarks.training's
+other fwd+bwd shapes ("grad-ACT-NAME-MxKxN"); 16-layer chains at 256x1024->1024 with the
 weights stacked or per layer (benchmarks.chain_layout), fused and XLA; the MLP block of
 ``benchmarks.training --part mlp`` at 8192 and 2048 rows, XLA and ``fused_mlp`` linked. Writes
 kernels.json, kernels.md, the raw traces (traces/) and each jitted program's optimized HLO
@@ -57,7 +58,7 @@ from benchmarks.forward import (
     single_layers,
     write_results,
 )
-from benchmarks.training import layer_inputs, mlp_grad_step, mlp_inputs
+from benchmarks.training import GRAD_SHAPES, layer_inputs, mlp_grad_step, mlp_inputs
 from jax_epilog import fused_dense
 
 STEPS = {"fwd": 10, "grad": 10, "chain": 20}
@@ -74,8 +75,8 @@ def _forward_case(activation: str, name: str, four: bool = False):
     return program, (xs, w, b)
 
 
-def _grad_case(activation: str, name: str):
-    x, w, b = layer_inputs(8192, 1024, 4096, np.random.default_rng(3))
+def _grad_case(activation: str, name: str, shape=(8192, 1024, 4096)):
+    x, w, b = layer_inputs(*shape, np.random.default_rng(3))
     f = grad_layers(activation)[name]
     loss = LOSSES["sum"]
     return jax.jit(jax.grad(lambda x, w, b: loss(f(x, w, b)), argnums=(0, 1, 2))), (x, w, b)
@@ -159,6 +160,9 @@ def cases() -> dict:
     for act in ("relu", "gelu"):
         for name in ("xla", "cublaslt", "aux+xla"):
             out[f"grad-{act}-{name}"] = ("grad", partial(_grad_case, act, name))
+        for m, k, n in GRAD_SHAPES[1:]:  # benchmarks.training's other fwd+bwd shapes
+            for name in ("xla", "cublaslt"):
+                out[f"grad-{act}-{name}-{m}x{k}x{n}"] = ("grad", partial(_grad_case, act, name, (m, k, n)))
     for act in ("relu", "gelu"):
         for layout in ("stacked", "per-layer"):
             for name in ("fused", "xla"):

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._epilogs import Activation, ComputeType, aux_dtype, aux_padded_width
+from ._epilogs import HALF_DTYPES, Activation, ComputeType, aux_dtype, aux_padded_width
 from ._sharding import explicit_product
 
 __all__ = [
@@ -61,23 +61,42 @@ def _epilog_dtype(ab_dtype: np.dtype, compute_type: ComputeType) -> np.dtype:
     return np.dtype(np.float32)
 
 
-def _matmul(a: jax.Array, b: jax.Array, contract: tuple[int, int], compute_type: ComputeType) -> jax.Array:
-    """``a`` and ``b`` contracted over one axis each, accumulated as ``compute_type`` does.
+def _matmul(
+    a: jax.Array, b: jax.Array, contract: tuple[int, int], compute_type: ComputeType, out_dtype=None
+) -> jax.Array:
+    """``a`` and ``b`` contracted over one axis each, accumulated as ``compute_type`` does;
+    in the accumulator's dtype, or in ``out_dtype`` when given.
+
+    Half operands with the default COMPUTE_32F and a result in their own dtype ask XLA for
+    that dtype directly, as its autodiff of the plain expression does: its GEMMs still
+    accumulate in float32 and round at the end, but write half the bytes. Asked for a
+    float32 product to be cast after, XLA wrote it in float32 and converted it in a kernel
+    of its own, or picked a slower GEMM (on the H200 at 8192x4096->16384 and ->1024,
+    +48 and +17 µs per dx: benchmarks/README.md (r)). XLA may then sum split-K partial
+    products in the output dtype, as in its own backward; COMPUTE_32F_PEDANTIC keeps the
+    float32 product.
 
     Under explicit sharding a product of two matrices says how it is split (as the
     dimensions it keeps are): one summed over a split dimension (the rows in the kernel
     gradient, N in dx) must."""
     fast = compute_type.name.startswith("COMPUTE_32F_FAST")
+    direct = (
+        out_dtype is not None
+        and np.dtype(out_dtype) == np.dtype(a.dtype)
+        and np.dtype(a.dtype).name in HALF_DTYPES
+        and compute_type is ComputeType.COMPUTE_32F
+    )
     kept = (1 - contract[0], 1 - contract[1])
     out_sharding = explicit_product(a, b, *kept) if a.ndim == b.ndim == 2 else None
-    return jax.lax.dot_general(
+    product = jax.lax.dot_general(
         a,
         b,
         (((contract[0],), (contract[1],)), ((), ())),
-        precision=jax.lax.Precision.DEFAULT if fast else jax.lax.Precision.HIGHEST,
-        preferred_element_type=_epilog_dtype(np.dtype(a.dtype), compute_type),
+        precision=jax.lax.Precision.DEFAULT if fast or direct else jax.lax.Precision.HIGHEST,
+        preferred_element_type=a.dtype if direct else _epilog_dtype(np.dtype(a.dtype), compute_type),
         out_sharding=out_sharding,
     )
+    return product if out_dtype is None else product.astype(out_dtype)
 
 
 def plain(
@@ -159,7 +178,7 @@ def output_grad(
 
 def input_grad(dz: jax.Array, kernel: jax.Array, compute_type: ComputeType) -> jax.Array:
     """``dx = dz @ kernel^T``, accumulated like the forward."""
-    return _matmul(dz, kernel, (1, 1), compute_type).astype(kernel.dtype)
+    return _matmul(dz, kernel, (1, 1), compute_type, kernel.dtype)
 
 
 def gelu_input_grad(dz: jax.Array, kernel: jax.Array, aux: jax.Array, compute_type: ComputeType) -> jax.Array:
@@ -176,7 +195,7 @@ def weight_grad(
 ) -> tuple[jax.Array, jax.Array | None]:
     """``(x^T @ dz, sum(dz, axis=0) or None)`` in ``d_dtype``: what the GPU's ``wgrad``
     problem computes with one GEMM and its bias-gradient epilog (BGRADA)."""
-    dkernel = _matmul(x, dz, (0, 0), compute_type).astype(d_dtype)
+    dkernel = _matmul(x, dz, (0, 0), compute_type, d_dtype)
     if not with_bias:
         return dkernel, None
     acc = _epilog_dtype(np.dtype(dz.dtype), compute_type)

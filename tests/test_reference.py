@@ -201,3 +201,37 @@ def test_dense_aux_layout(rng, n, dtype, d_dtype):
     for act in (None, Activation.RELU, Activation.GELU):
         assert dense(x, w, b, act, ct, np.dtype(d_dtype), False)[1] is None
     assert dense(x, w, b, None, ct, np.dtype(d_dtype), True)[1] is None
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize(
+    "compute_type", [ComputeType.COMPUTE_32F, ComputeType.COMPUTE_32F_PEDANTIC], ids=lambda c: c.name
+)
+def test_backward_gemms_ask_for_their_result_dtype(rng, dtype, compute_type):
+    """dx and the kernel gradient: half operands with COMPUTE_32F ask XLA for a product in
+    their own dtype (as XLA's own backward does; a float32 product cast after cost the H200
+    a convert kernel or a slower GEMM), everything else for the float32 accumulator. Values
+    agree with the float32 product rounded once, within a unit in the last place."""
+    m, k, n = 37, 19, 29
+    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    kernel = jnp.asarray(rng.standard_normal((k, n)), dtype)
+    dz = jnp.asarray(rng.standard_normal((m, n)), dtype)
+    direct = dtype != "float32" and compute_type is ComputeType.COMPUTE_32F
+    want_dtype = dtype if direct else "float32"
+    for f, args, want in (
+        (lambda dz, w: _reference.input_grad(dz, w, compute_type), (dz, kernel), np.float32(dz) @ np.float32(kernel).T),
+        (
+            lambda x, dz: _reference.weight_grad(x, dz, compute_type, x.dtype, with_bias=False)[0],
+            (x, dz),
+            np.float32(x).T @ np.float32(dz),
+        ),
+    ):
+        text = jax.jit(f).lower(*args).as_text()
+        dots = [line for line in text.splitlines() if "dot_general" in line]
+        assert len(dots) == 1, dots
+        short = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}[want_dtype]
+        assert dots[0].rstrip().endswith(f"x{short}>"), dots[0]
+        got = f(*args)
+        assert got.dtype == np.dtype(dtype)
+        ulp = float(jnp.finfo(dtype).eps)
+        np.testing.assert_allclose(np.float32(got), want, rtol=2 * ulp, atol=2 * ulp * np.abs(want).max())

@@ -219,7 +219,11 @@ def test_backward_gemms_ask_for_their_result_dtype(rng, dtype, compute_type):
     direct = dtype != "float32" and compute_type is ComputeType.COMPUTE_32F
     want_dtype = dtype if direct else "float32"
     for f, args, want in (
-        (lambda dz, w: _reference.input_grad(dz, w, compute_type), (dz, kernel), np.float32(dz) @ np.float32(kernel).T),
+        (
+            lambda dz, w: _reference.input_grad(dz, w, compute_type),
+            (dz, kernel),
+            np.float32(dz) @ np.float32(kernel).T,
+        ),
         (
             lambda x, dz: _reference.weight_grad(x, dz, compute_type, x.dtype, with_bias=False)[0],
             (x, dz),

@@ -8,7 +8,8 @@ fwd+bwd rows time ``jax.jit(jax.grad(loss, argnums=(0, 1, 2)))`` with
 ``loss = sum(act(x @ w + b))`` (summed in float32), through ``fused_dense`` with its cuBLASLt
 backward (``implementation="cublaslt"``), through ``fused_dense`` as users call it ("auto":
 XLA's autodiff under ``jax.grad``) and as the plain jnp expression, with the method of
-benchmarks.forward (median of 7 interleaved samples of back-to-back calls). TF/s counts three GEMMs: 6 * M * N * K flops per step.
+benchmarks.forward (median of 7 interleaved samples of back-to-back calls). TF/s counts
+three GEMMs: 6 * M * N * K flops per step.
 MLP rows time the same for a transformer MLP block ``gelu(x @ w1 + b1) @ w2 + b2`` (M×D →
 4D → D, bf16) with ``loss = sum(y**2) / 2`` (so the output's cotangent is a real array, as in
 training): XLA's jit of the plain expression, two ``fused_dense`` calls ("auto") and

@@ -300,7 +300,10 @@ def test_remat_and_nested_jit(rng, policy, implementation):
     loss = lambda x, layers: jnp.sum(jnp.sin(jax.jit(f)(x, layers)))
     want = jax.grad(loss, argnums=(0, 1))(x, layers)
     got = jax.jit(jax.grad(jax.checkpoint(loss, policy=policy), argnums=(0, 1)))(x, layers)
-    jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-6, atol=1e-6), got, want)
+    # On a GPU the eager reference and the jitted, rematerialised program fuse their float32
+    # elementwise math differently: a few ulps apart (1.4e-6 once on the H200, 2026-12-03 (r)).
+    tol = 1e-5 if ON_GPU else 1e-6
+    jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=tol, atol=tol), got, want)
 
 
 # ------------------------------------------------------- the DGELU input-gradient primitive

@@ -115,7 +115,8 @@ def layer_operands(m, k, n, dtype="bfloat16", bias_dtype="bfloat16", seed=1):
 
 
 def single_layers(activation):
-    """A single-layer row's two contenders, not jitted: the fused op and XLA's expression."""
+    """The two layers the benchmarks compare, not jitted: {"fused": fused_dense (cuBLASLt
+    path), "xla": XLA's ``act(x @ w + b)`` in x's dtype} (single layers, chains, fwd+bwd)."""
     act = activation_fn(activation)
     return {
         "fused": partial(fused_dense, activation=activation, implementation="cublaslt"),
@@ -165,16 +166,6 @@ def chain_operands(m: int, k: int, depth: int, seed: int = 2):
     ws = jnp.asarray(rng.standard_normal((depth, k, k)) / np.sqrt(k), jnp.bfloat16)
     bs = jnp.asarray(rng.standard_normal((depth, k)) * 0.1, jnp.bfloat16)
     return x, ws, bs
-
-
-def chain_layers(activation: str) -> dict:
-    """The two layers a chain benchmark compares: {"fused": fused_dense (cuBLASLt path),
-    "xla": XLA's jit of ``act(x @ w + b)``}."""
-    act = activation_fn(activation)
-    return {
-        "fused": partial(fused_dense, activation=activation, implementation="cublaslt"),
-        "xla": lambda x, w, b: act(x @ w + b),
-    }
 
 
 def chain(layer, depth=16, donate=False):
@@ -236,7 +227,7 @@ def bench_chain(rows, depth=16, sizes=((256, 1024), (2048, 1024))):
     for m, k in sizes:
         x, ws, bs = chain_operands(m, k, depth)
         for activation in ("relu", "gelu"):
-            fused_layer, xla_layer = chain_layers(activation).values()
+            fused_layer, xla_layer = single_layers(activation).values()
             fused, xla = chain(fused_layer, depth), chain(xla_layer, depth)
             jax.block_until_ready(xla(x, ws, bs))
             calls0, ns0, res0 = _ffi.handler_stats()

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.forward import activation_fn, time_jax_interleaved, write_results
+from benchmarks.forward import activation_fn, single_layers, time_jax_interleaved, write_results
 from jax_epilog import FastPathWarning, _ffi, fused_dense, fused_mlp
 
 GRAD_SHAPES = [(8192, 1024, 4096), (8192, 4096, 16384), (8192, 4096, 1024)]
@@ -56,16 +56,9 @@ def layer_inputs(m: int, k: int, n: int, rng: np.random.Generator):
 
 def grad_steps(activation: str):
     """``jax.jit(jax.grad(sum(layer(x, w, b))))`` for each of GRAD_CONTENDERS."""
-    act = activation_fn(activation)
-    layers = {
-        "fused": partial(fused_dense, activation=activation, implementation="cublaslt"),
-        "auto": partial(fused_dense, activation=activation),
-        "xla": lambda x, w, b: act(x @ w + b),
-    }
-    return {
-        c: jax.jit(jax.grad(lambda x, w, b, f=layers[c]: jnp.sum(f(x, w, b), dtype=jnp.float32), argnums=(0, 1, 2)))
-        for c in GRAD_CONTENDERS
-    }
+    layers = {**single_layers(activation), "auto": partial(fused_dense, activation=activation)}
+    summed = lambda f: lambda x, w, b: jnp.sum(f(x, w, b), dtype=jnp.float32)
+    return {c: jax.jit(jax.grad(summed(layers[c]), argnums=(0, 1, 2))) for c in GRAD_CONTENDERS}
 
 
 def bench_grad(rows):

@@ -19,7 +19,7 @@ import sys
 
 import jax
 
-from benchmarks.forward import chain, chain_layers, chain_operands, time_jax_interleaved
+from benchmarks.forward import chain, chain_operands, single_layers, time_jax_interleaved
 
 M, K = 256, 1024
 DEPTHS = (16, 64)
@@ -29,7 +29,7 @@ def main(out: str) -> list[dict]:
     x, ws, bs = chain_operands(M, K, max(DEPTHS), seed=0)
     rows = []
     for activation in ("relu", "gelu"):
-        layers = chain_layers(activation)
+        layers = single_layers(activation)
         programs = {(name, d): chain(layer, d) for name, layer in layers.items() for d in DEPTHS}
         for program in programs.values():
             jax.block_until_ready(program(x, ws, bs))  # compiled and planned before timing

@@ -30,7 +30,7 @@ import sys
 
 import jax
 
-from benchmarks.forward import chain, chain_layers, chain_operands, feedback, released, time_jax_interleaved
+from benchmarks.forward import chain, chain_operands, feedback, released, single_layers, time_jax_interleaved
 from jax_epilog import _ffi
 
 M, K, DEPTH = 256, 1024, 16
@@ -84,7 +84,7 @@ def main(out: str | None = None) -> list[dict]:
     x, ws, bs = chain_operands(M, K, DEPTH)
     rows = []
     for activation in ("relu", "gelu"):
-        layers = chain_layers(activation)
+        layers = single_layers(activation)
         steps = {}
         for name, layer in layers.items():
             program = chain(layer, DEPTH)

@@ -43,15 +43,14 @@ import time
 from functools import partial
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import run
 from benchmarks.backward_variants import LOSSES
 from benchmarks.backward_variants import layers as grad_layers
 from benchmarks.forward import (
-    activation_fn,
     chain,
+    chain_operands,
     feedback,
     in_four,
     layer_operands,
@@ -59,7 +58,6 @@ from benchmarks.forward import (
     write_results,
 )
 from benchmarks.training import GRAD_SHAPES, layer_inputs, mlp_grad_step, mlp_inputs
-from jax_epilog import fused_dense
 
 STEPS = {"fwd": 10, "grad": 10, "chain": 20}
 CALLS = 500
@@ -83,19 +81,10 @@ def _grad_case(activation: str, name: str, shape=(8192, 1024, 4096)):
 
 
 def _chain_case(activation: str, layout: str, name: str, depth: int = 16, donate: bool = False):
-    m, k = 256, 1024
-    rng = np.random.default_rng(2)
-    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-    ws = jnp.asarray(rng.standard_normal((depth, k, k)) / np.sqrt(k), jnp.bfloat16)
-    bs = jnp.asarray(rng.standard_normal((depth, k)) * 0.1, jnp.bfloat16)
+    x, ws, bs = chain_operands(256, 1024, depth)
     if layout == "per-layer":
         ws, bs = tuple(ws[i] for i in range(depth)), tuple(bs[i] for i in range(depth))
-    act = activation_fn(activation)
-    layer = {
-        "fused": partial(fused_dense, activation=activation, implementation="cublaslt"),
-        "xla": lambda x, w, b: act(x @ w + b),
-    }[name]
-    program = chain(layer, depth, donate)
+    program = chain(single_layers(activation)[name], depth, donate)
     if not donate:
         return program, (x, ws, bs)
     return feedback(program, x, ws, bs), ()  # each result is the next (donated) input

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.forward import activation_fn, time_jax_interleaved, write_results
+from benchmarks.forward import activation_fn, single_layers, time_jax_interleaved, write_results
 from benchmarks.training import GRAD_SHAPES, layer_inputs
 from jax_epilog import _reference, fused_dense
 from jax_epilog._epilogs import Activation, ComputeType
@@ -108,10 +108,10 @@ ones_trick.defvjp(_ones_fwd, _ones_bwd)
 
 
 def layers(activation):
-    act = activation_fn(activation)
+    pair = single_layers(activation)
     return {
-        "xla": lambda x, w, b: act(x @ w + b),
-        "cublaslt": lambda x, w, b: fused_dense(x, w, b, activation=activation, implementation="cublaslt"),
+        "xla": pair["xla"],
+        "cublaslt": pair["fused"],
         "aux+xla": lambda x, w, b: aux_then_xla(x, w, b, activation),
         "auto": lambda x, w, b: fused_dense(x, w, b, activation=activation),
         "aux+ones": lambda x, w, b: ones_trick(x, w, b, activation, True),

@@ -16,7 +16,9 @@ training): XLA's jit of the plain expression, two ``fused_dense`` calls ("auto")
 ``fused_mlp`` ("auto" and "cublaslt"), interleaved; TF/s counts 12 * M * D * 4D flops.
 The example rows run ``examples/train_transformer_mlp.py --size large`` in this process
 (with its default ``--implementation auto``) and record its median step time (each step
-synchronised) for every layer type.
+synchronised) for every layer type; the example trains the models one after another, so
+the same three train steps are also timed interleaved (back-to-back calls, samples in
+turns), the figure to compare them by.
 """
 
 from __future__ import annotations
@@ -121,7 +123,22 @@ def bench_mlp(rows):
         print(json.dumps(row), flush=True)
 
 
-def bench_example(rows, size="large", implementations=("auto",)):
+def time_example_steps(example, argv) -> dict[str, float]:
+    """µs per train step of each of the example's models, timed as the other rows are: the
+    jitted steps called back to back from their initial state, samples taken in turns. The
+    example itself trains the models one after the other, so its step times also carry the
+    GPU's drift between them."""
+    args = example.parse_args(argv)
+    steps = []
+    for key in example.LAYERS:
+        train_step, params, opt_state, batch = example.setup(args, key)
+        steps.append((train_step, (params, opt_state, *batch(0))))
+    return dict(zip(example.LAYERS, time_jax_interleaved(*steps)))
+
+
+def bench_example(rows, size="large", implementations=("auto",), options=()):
+    """The example at ``--size size`` (plus ``options``, its other flags) with each
+    ``--implementation``: its own step times and the interleaved ones."""
     path = Path(__file__).resolve().parent.parent / "examples" / "train_transformer_mlp.py"
     spec = importlib.util.spec_from_file_location("train_transformer_mlp", path)
     example = importlib.util.module_from_spec(spec)
@@ -131,15 +148,18 @@ def bench_example(rows, size="large", implementations=("auto",)):
         calls0 = _ffi.handler_stats()[0]
         with warnings.catch_warnings():
             warnings.simplefilter("error", FastPathWarning)  # the fused path, or no numbers
-            result = example.main(["--size", size, "--implementation", implementation])
+            argv = ["--size", size, *options, "--implementation", implementation]
+            result = example.main(argv)
+            interleaved = time_example_steps(example, argv)
         print(f"handler executions during the example: {_ffi.handler_stats()[0] - calls0}")
-        for key in ("mlp", "fused", "dense"):
+        for key in example.LAYERS:
             r = result[key]
             rows.append(dict(
-                example=f"train_transformer_mlp --size {size} --implementation {implementation}",
+                example=" ".join(["train_transformer_mlp", *argv]),
                 layer=r["layer"], step_ms=r["step_ms"], steps_per_s=1e3 / r["step_ms"],
                 tokens_per_s=r["tokens_per_s"], first_loss=r["losses"][0],
                 final_loss=r["losses"][-1], config=result["config"],
+                interleaved_step_ms=interleaved[key] / 1e3,
             ))  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
 
@@ -168,11 +188,14 @@ def render(rows) -> str:
         lines.append("")
     ex = [r for r in rows if "example" in r]
     if ex:
-        lines += ["| example | layer | step ms (median) | steps/s | tokens/s | loss first → final |",
-                  "|---|---|---|---|---|---|"]
+        lines += ["| example | layer | step ms (median) | steps/s | tokens/s | loss first → final "
+                  "| step ms, interleaved | nn.Dense / layer, interleaved |",
+                  "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        dense = {r["example"]: r["interleaved_step_ms"] for r in ex if r["layer"] == "nn.Dense"}
         for r in ex:
             lines.append(f"| {r['example']} | {r['layer']} | {r['step_ms']:.2f} | {r['steps_per_s']:.1f} "
-                         f"| {r['tokens_per_s']:,.0f} | {r['first_loss']:.4f} → {r['final_loss']:.4f} |")
+                         f"| {r['tokens_per_s']:,.0f} | {r['first_loss']:.4f} → {r['final_loss']:.4f} "
+                         f"| {r['interleaved_step_ms']:.2f} | {dense[r['example']] / r['interleaved_step_ms']:.2f}× |")  # fmt: skip
         lines.append("")
     return "\n".join(lines)
 

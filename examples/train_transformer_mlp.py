@@ -141,9 +141,10 @@ def parse_args(argv=None):
     return args
 
 
-def train(args, layers: str) -> dict:
-    """Trains one model (``layers``: a key of LAYERS) for ``args.steps`` steps; returns its
-    losses and step times."""
+def setup(args, layers: str):
+    """One model (``layers``: a key of LAYERS) ready to train: ``(train_step, params,
+    opt_state, batch)``, where ``train_step(params, opt_state, x, y)`` is jitted and returns
+    ``(params, opt_state, loss)`` and ``batch(step)`` returns that step's ``(x, y)``."""
     model = MLPStack(args.d_model, args.blocks, layers=layers, implementation=args.implementation)
     init_key, teacher_key, data_key = jax.random.split(jax.random.key(args.seed), 3)
     teacher = make_teacher(teacher_key, args.d_model)
@@ -170,7 +171,13 @@ def train(args, layers: str) -> dict:
     params = init_model.init(init_key, jnp.zeros((1, 1, args.d_model), jnp.float32))
     if layers == "mlp":
         params = nest_mlp_params(params)
-    opt_state = tx.init(params)
+    return train_step, params, tx.init(params), batch
+
+
+def train(args, layers: str) -> dict:
+    """Trains one model (``layers``: a key of LAYERS) for ``args.steps`` steps; returns its
+    losses and step times."""
+    train_step, params, opt_state, batch = setup(args, layers)
     losses, times = [], []
     for step in range(args.steps):
         x, y = jax.block_until_ready(batch(step))

@@ -672,3 +672,22 @@ def test_replay_states_name_each_plan_and_its_graphs():
         "RELU_BIAS 256x1024->1024 bfloat16 (align 256)": "108 graphs kept, 0 dropped, replaying",
         "GELU_BIAS 8x16->24 float16 (align 16)": "0 graphs kept, 64 dropped, replay off",
     }
+
+
+def test_example_rows_time_the_train_steps_interleaved(monkeypatch, capsys):
+    from benchmarks import forward, training
+
+    monkeypatch.setattr(forward, "SETTINGS", run.Settings(samples=2, min_calls=2, sample_s=0.0, warmup=1))
+    timed = []
+    real = forward.measure_interleaved
+    monkeypatch.setattr(forward, "measure_interleaved", lambda calls, s: timed.append(len(calls)) or real(calls, s))
+    rows = []
+    options = ("--d-model", "16", "--blocks", "1", "--batch", "2", "--seq", "8", "--steps", "4", "--warmup", "1")
+    training.bench_example(rows, size="small", options=options)
+    assert timed == [3]  # the three models' steps, in one interleaved measurement
+    assert [r["layer"] for r in rows] == ["FusedMLP", "FusedDense", "nn.Dense"]
+    assert all(r["interleaved_step_ms"] > 0 and r["step_ms"] > 0 for r in rows)
+    assert rows[0]["example"] == "train_transformer_mlp --size small " + " ".join(options) + " --implementation auto"
+    table = training.render(rows)
+    assert "| step ms, interleaved | nn.Dense / layer, interleaved |" in table
+    assert table.count("| train_transformer_mlp") == 3 and "| 1.00× |" in table  # nn.Dense against itself

@@ -588,6 +588,16 @@ def _chain_step(layer, weights: str, x, ws, bs):
     return partial(program, x, ws, bs)
 
 
+def plan_states() -> dict:
+    """The autotuner's choice and the replay state of every plan this process made (empty
+    without nvmath-python): which algorithm each timing ran, for comparing runs."""
+    try:
+        from jax_epilog import _nvmath
+    except ImportError:
+        return {}
+    return {"tuned": forward.tuning_choices(_nvmath._plans), "replay": forward.replay_states(_nvmath._plans)}
+
+
 def bench_host(settings: Settings, scale: int, progress: Progress, on_gpu: bool) -> dict:
     m, k = 256 // scale, 1024 // scale
     rng = np.random.default_rng(4)
@@ -1001,6 +1011,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         "auto_vs_xla": auto_vs_xla(rows),
         "ceiling": ceiling,
         "host": host,
+        "plans": plan_states(),
     }
     stem = results_stem(args.out, str(jax.devices()[0].device_kind), today)
     json_path, md_path = write_results(results, stem)

@@ -674,6 +674,25 @@ def test_replay_states_name_each_plan_and_its_graphs():
     }
 
 
+def test_suite_records_each_plans_tuning_and_replay(monkeypatch):
+    from collections import namedtuple
+
+    import jax_epilog
+
+    monkeypatch.delattr(jax_epilog, "_nvmath", raising=False)  # set where the GPU path was imported
+    monkeypatch.setitem(sys.modules, "jax_epilog._nvmath", None)  # no nvmath-python: nothing to record
+    assert run.plan_states() == {}
+    Spec = namedtuple("Spec", "epilog m k n ab_dtype")
+    spec = Spec("GELU_BIAS", 256, 1024, 1024, "bfloat16")
+    plan = SimpleNamespace(tuning=[5.0, 4.5], replay_stats=(3, 0, True))
+    monkeypatch.setitem(sys.modules, "jax_epilog._nvmath", SimpleNamespace(_plans={(spec, 0, 256): plan}))
+    name = "GELU_BIAS 256x1024->1024 bfloat16 (align 256)"
+    assert run.plan_states() == {
+        "tuned": {name: "candidate 1 of 2 at 4.50 µs; next best 5.00 µs"},
+        "replay": {name: "3 graphs kept, 0 dropped, replaying"},
+    }
+
+
 def test_example_rows_time_the_train_steps_interleaved(monkeypatch, capsys):
     from benchmarks import forward, training
 

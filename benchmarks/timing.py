@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 import statistics
 import time
 from dataclasses import dataclass
@@ -20,6 +21,27 @@ class Settings:
     sample_s: float = 0.02  # and at least this long
     warmup: int = 2
     max_calls: int = 50_000
+    order: str = "rotate"  # each round's contender order: a key of ROUND_ORDERS
+
+
+def _rotate(s: int, n: int) -> list[int]:
+    return [(s + r) % n for r in range(n)]
+
+
+def _serpentine(s: int, n: int) -> list[int]:
+    order = _rotate(s, n)
+    return order if s % 2 == 0 else order[::-1]
+
+
+def _shuffle(s: int, n: int) -> list[int]:
+    return random.Random(s).sample(range(n), n)
+
+
+# Round s of n contenders -> the order they are sampled in. "rotate": round s starts with
+# contender s, the cyclic order kept (so each contender always follows the same one);
+# "serpentine": the same, every other round backwards (each follows both neighbours);
+# "shuffle": a fresh random order per round (seeded by s).
+ROUND_ORDERS = {"rotate": _rotate, "serpentine": _serpentine, "shuffle": _shuffle}
 
 
 class Timing(NamedTuple):
@@ -45,9 +67,10 @@ def measure_interleaved(contenders: list[tuple], settings: Settings) -> list[Tim
     Every contender is warmed up and its batch length set first; then the samples go
     round: sample s of each contender before sample s + 1 of any. The GPU's clocks drift
     over a run (by several per cent over seconds of sustained load), and this way the
-    drift touches every contender alike instead of whichever ran last. Round s starts
-    with contender s (mod their number): at a power-limited size the slot a contender
-    takes in the round moved its time by 3-5% on the H200 (the same kernel in two slots,
+    drift touches every contender alike instead of whichever ran last. The order within
+    a round is ``settings.order`` (ROUND_ORDERS): by default round s starts with contender
+    s (mod their number): at a power-limited size the slot a contender takes in the round
+    moved its time by 3-5% on the H200 (the same kernel in two slots,
     benchmarks/results/2026-12-03-h200-l-tuner/run6/order.txt), so no contender keeps one.
     """
     made = [0] * len(contenders)
@@ -71,8 +94,9 @@ def measure_interleaved(contenders: list[tuple], settings: Settings) -> list[Tim
         iters.append(count)
     seconds = [[] for _ in contenders]
     n = len(contenders)
+    round_order = ROUND_ORDERS[settings.order]
     for s in range(settings.samples):
-        for j in ((s + r) % n for r in range(n)):
+        for j in round_order(s, n):
             seconds[j].append(batch(j, iters[j]) / iters[j])
     return [
         Timing(statistics.median(s) * 1e6, len(s), count, calls)

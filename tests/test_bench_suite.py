@@ -133,6 +133,26 @@ def test_interleaved_samples_take_turns():
     assert ta.iters >= 20 and 5 <= tb.iters < ta.iters and tb.samples == 3
 
 
+def test_round_orders():
+    from benchmarks import timing
+
+    rounds = {name: [f(s, 3) for s in range(4)] for name, f in timing.ROUND_ORDERS.items()}
+    assert rounds["rotate"] == [[0, 1, 2], [1, 2, 0], [2, 0, 1], [0, 1, 2]]
+    assert rounds["serpentine"] == [[0, 1, 2], [0, 2, 1], [2, 0, 1], [2, 1, 0]]  # odd rounds backwards
+    assert all(sorted(r) == [0, 1, 2] for r in rounds["shuffle"])
+    assert rounds["shuffle"] == [timing.ROUND_ORDERS["shuffle"](s, 3) for s in range(4)]  # seeded
+
+    order = []
+
+    def contender(name):
+        clock = SimpleNamespace(start=lambda: None, stop=lambda out: order.append(name) or 0.05)
+        return (lambda i: None), clock
+
+    settings = run.Settings(samples=2, min_calls=1, sample_s=0.0, warmup=0, order="serpentine")
+    run.measure_interleaved([contender("a"), contender("b"), contender("c")], settings)
+    assert order[6:] == ["a", "b", "c", "a", "c", "b"]  # after a warm-up and a calibration batch each
+
+
 def test_auto_vs_xla_reads_noise_from_identical_programs():
     def row(contender, us, act="relu", runs=None):
         r = dict(shape="8x8->8", m=8, k=8, n=8, dtype="bfloat16", bias_dtype="bfloat16", activation=act,

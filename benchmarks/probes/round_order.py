@@ -9,8 +9,9 @@ ReLU and GELU, every time. In the suite's rounds (``benchmarks.timing``, order "
 each round starts one contender later but keeps the cyclic order, so "auto" always runs
 right after "cublaslt". This times the suite's forward cases at that shape (every
 contender but XLA-with-cuBLASLt, which runs in a process of its own) with each of
-``timing.ROUND_ORDERS``, ``--reps`` times in turn, and reports auto / cublaslt (a
-same-program pair: 1.00 unless the method is biased) beside XLA / cublaslt.
+``timing.ROUND_ORDERS``, and with the pair listed in the suite's order and swapped,
+``--reps`` times in turn, and reports auto / cublaslt (a same-program pair: 1.00 unless
+the method is biased) beside XLA / cublaslt.
 """
 
 from __future__ import annotations
@@ -40,24 +41,32 @@ def main(argv=None):
     args = parser.parse_args(argv)
     base, scale = (run.SMOKE, 64) if args.cpu_smoke else (run.QUICK, 1)
     todo = [(run.shrink(c, scale), name) for c, name in run.jobs(cases()) if name != "xla_cublaslt"]
+    # The suite lists "cublaslt" (jax_epilog) first; "auto first" swaps the pair in each case.
+    swapped = {"jax_epilog": "jax_epilog_auto", "jax_epilog_auto": "jax_epilog"}
+    lists = {"cublaslt first": todo, "auto first": [(c, swapped.get(name, name)) for c, name in todo]}
     rows = []
     for rep in range(args.reps):
         for order in timing.ROUND_ORDERS:
-            settings = dataclasses.replace(base, order=order)
-            got = run.run_jobs(todo, settings, run.Progress(len(todo), f"{order} {rep} "))
-            for act in sorted({r["activation"] for r in got}):
-                us = {r["contender"]: r["us"] for r in got if r["activation"] == act}
-                rows.append({"order": order, "rep": rep, "activation": act, **{f"{k}_us": v for k, v in us.items()}})
-    lines = ["| order | act | auto / cublaslt, per rep | median | XLA / cublaslt, per rep |", "|---|---|---|---|---|"]
+            for first, jobs in lists.items():
+                settings = dataclasses.replace(base, order=order)
+                got = run.run_jobs(jobs, settings, run.Progress(len(jobs), f"{order}, {first}, {rep}: "))
+                for act in sorted({r["activation"] for r in got}):
+                    us = {f"{r['contender']}_us": r["us"] for r in got if r["activation"] == act}
+                    rows.append({"order": order, "first": first, "rep": rep, "activation": act, **us})
+    lines = [
+        "| order | listed first | act | auto / cublaslt, per rep | median | XLA / cublaslt, per rep |",
+        "|---|---|---|---|---|---|",
+    ]
     for order in timing.ROUND_ORDERS:
-        for act in ("relu", "gelu"):
-            mine = [r for r in rows if r["order"] == order and r["activation"] == act]
-            same = [r["jax_epilog_auto_us"] / r["jax_epilog_us"] for r in mine]
-            xla = [r["xla_us"] / r["jax_epilog_us"] for r in mine]
-            lines.append(
-                f"| {order} | {act} | {', '.join(f'{v:.3f}' for v in same)} | {statistics.median(same):.3f} "
-                f"| {', '.join(f'{v:.3f}' for v in xla)} |"
-            )
+        for first in lists:
+            for act in ("relu", "gelu"):
+                mine = [r for r in rows if (r["order"], r["first"], r["activation"]) == (order, first, act)]
+                same = [r["jax_epilog_auto_us"] / r["jax_epilog_us"] for r in mine]
+                xla = [r["xla_us"] / r["jax_epilog_us"] for r in mine]
+                lines.append(
+                    f"| {order} | {first} | {act} | {', '.join(f'{v:.3f}' for v in same)} "
+                    f"| {statistics.median(same):.3f} | {', '.join(f'{v:.3f}' for v in xla)} |"
+                )
     table = "\n".join(lines)
     write_results(args.out, "round_order", rows, table)
     print(table)

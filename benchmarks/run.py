@@ -819,16 +819,24 @@ def auto_vs_xla(rows: list[dict]) -> dict | None:
 
     Where "auto" ran XLA's own program (our handler never ran), its row and the "xla" row
     time the same executable, interleaved: their difference is the measurement's noise.
+    Where it fused a forward pass, it ran the very program of "jax_epilog" (the same custom
+    call and plan), listed just before it: that pair's difference is noise too, and at a
+    power-limited size the contender listed first timed faster whichever it was
+    (benchmarks/probes/round_order.py).
     """
     pairs = {}
     for r in rows:
-        if r["contender"] in ("xla", "jax_epilog_auto") and r["us"] is not None:
+        if r["contender"] in ("xla", "jax_epilog_auto", "jax_epilog") and r["us"] is not None:
             pairs.setdefault(row_key(r), {})[r["contender"]] = r
-    ratios, same_program = [], []
+    ratios, same_program, fused_pair = [], [], []
     for by in pairs.values():
-        if len(by) < 2:
+        auto, fused = by.get("jax_epilog_auto"), by.get("jax_epilog")
+        if auto and fused and auto["mode"] == "fwd" and auto.get("handler_runs"):
+            label = f"{auto['shape']} {auto['dtype']} {auto['activation']} {auto['mode']}"
+            fused_pair.append((auto["us"] / fused["us"], label))
+        if not (auto and "xla" in by):
             continue
-        auto, xla = by["jax_epilog_auto"], by["xla"]
+        xla = by["xla"]
         ratio = xla["us"] / auto["us"]
         label = f"{auto['shape']} {auto['dtype']} {auto['activation']} {auto['mode']}"
         ratios.append((ratio, label))
@@ -837,6 +845,7 @@ def auto_vs_xla(rows: list[dict]) -> dict | None:
     if not ratios:
         return None
     worst = min(ratios)
+    gaps = [abs(ratio - 1) for ratio, _ in fused_pair]
     return {
         "cases": len(ratios),
         "worst_ratio": worst[0],
@@ -844,6 +853,10 @@ def auto_vs_xla(rows: list[dict]) -> dict | None:
         "same_program_cases": len(same_program),
         "noise_median": statistics.median(same_program) if same_program else None,
         "noise_max": max(same_program) if same_program else None,
+        "fused_pair_cases": len(fused_pair),
+        "fused_pair_median": statistics.median(gaps) if gaps else None,
+        "fused_pair_max": max(fused_pair, key=lambda p: abs(p[0] - 1)) if fused_pair else None,
+        "fused_pair_first_faster": sum(ratio > 1 for ratio, _ in fused_pair),
     }
 
 
@@ -861,6 +874,15 @@ def _auto_lines(summary: dict | None) -> list[str]:
             f'Noise: in {s["same_program_cases"]} cases "auto" ran XLA\'s own program (the handler never ran), '
             f"so its row and the xla row time one executable; they differ by {s['noise_median'] * 100:.1f}% "
             f"(median), {s['noise_max'] * 100:.1f}% at most."
+        )
+    if s.get("fused_pair_cases"):
+        ratio, case = s["fused_pair_max"]
+        lines.append(
+            f'In {s["fused_pair_cases"]} forward cases "auto" fused the layer and so ran the program of '
+            f"jax_epilog, listed just before it: they differ by {s['fused_pair_median'] * 100:.1f}% (median), "
+            f"{abs(ratio - 1) * 100:.1f}% at most ({case}: auto / jax_epilog µs {ratio:.3f}); "
+            f"jax_epilog, listed first, was the faster in {s['fused_pair_first_faster']}. "
+            "Read ratios of that size as noise."
         )
     return lines
 

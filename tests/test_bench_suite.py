@@ -168,7 +168,17 @@ def test_auto_vs_xla_reads_noise_from_identical_programs():
     assert s["cases"] == 2 and s["same_program_cases"] == 1
     assert s["worst_ratio"] == pytest.approx(100 / 102) and "relu" in s["worst_case"]
     assert s["noise_max"] == pytest.approx(2 / 102)
+    assert s["fused_pair_cases"] == 0
     assert run.auto_vs_xla([row("xla", 1.0)]) is None
+
+    # Where "auto" fused the forward, it and jax_epilog ran one program: another noise reading.
+    rows += [row("jax_epilog", 125.0, "gelu", runs=40), row("jax_epilog", 99.0, runs=40)]
+    s = run.auto_vs_xla(rows)
+    assert s["fused_pair_cases"] == 1 and s["fused_pair_first_faster"] == 0
+    assert s["fused_pair_median"] == pytest.approx(5 / 125)
+    assert s["fused_pair_max"] == (pytest.approx(120 / 125), "8x8->8 bfloat16 gelu fwd")
+    text = "\n".join(run._auto_lines(s))
+    assert "In 1 forward cases" in text and "4.0% (median)" in text and "auto / jax_epilog µs 0.960" in text
 
 
 def _tiny(mode="fwd", activation="relu"):

@@ -72,6 +72,9 @@ def measure_interleaved(contenders: list[tuple], settings: Settings) -> list[Tim
     s (mod their number): at a power-limited size the slot a contender takes in the round
     moved its time by 3-5% on the H200 (the same kernel in two slots,
     benchmarks/results/2026-12-03-h200-l-tuner/run6/order.txt), so no contender keeps one.
+    No round order removes every effect of the order: of two identical programs, the one
+    listed first in ``contenders`` timed up to 6% faster under each of ROUND_ORDERS
+    (benchmarks/probes/round_order.py, 2026-12-03 (s)).
     """
     made = [0] * len(contenders)
 

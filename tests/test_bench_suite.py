@@ -723,7 +723,7 @@ def test_suite_records_each_plans_tuning_and_replay(monkeypatch):
     }
 
 
-def test_example_rows_time_the_train_steps_interleaved(monkeypatch, capsys):
+def test_example_rows_time_the_train_steps_interleaved(monkeypatch):
     from benchmarks import forward, training
 
     monkeypatch.setattr(forward, "SETTINGS", run.Settings(samples=2, min_calls=2, sample_s=0.0, warmup=1))
@@ -740,3 +740,15 @@ def test_example_rows_time_the_train_steps_interleaved(monkeypatch, capsys):
     table = training.render(rows)
     assert "| step ms, interleaved | nn.Dense / layer, interleaved |" in table
     assert table.count("| train_transformer_mlp") == 3 and "| 1.00× |" in table  # nn.Dense against itself
+
+
+def test_round_order_probe_times_the_pair_both_ways_on_cpu(tmp_path, capsys):
+    from benchmarks.probes import round_order
+
+    round_order.main(["--out", str(tmp_path), "--reps", "1", "--cpu-smoke"])
+    rows = json.loads((tmp_path / "round_order.json").read_text())["rows"]
+    assert len(rows) == 3 * 2 * 2  # orders × pair placements × activations
+    assert {r["first"] for r in rows} == {"cublaslt first", "auto first"}
+    assert all(r["jax_epilog_us"] > 0 and r["jax_epilog_auto_us"] > 0 and r["xla_us"] > 0 for r in rows)
+    table = capsys.readouterr().out
+    assert table.count("| rotate |") == 4 and table.count("| shuffle |") == 4

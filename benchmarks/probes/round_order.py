@@ -4,14 +4,17 @@
 
 At 8192x4096->16384 (bf16) ``fused_dense``'s "auto" runs the very program of
 ``implementation="cublaslt"`` (the same custom call and plan; their jaxprs are equal), yet
-in five suite runs (2026-12-03 (m) and (s)) "auto" timed 2-6% slower than "cublaslt" for
-ReLU and GELU, every time. In the suite's rounds (``benchmarks.timing``, order "rotate")
+in five suite runs (2026-12-03 (m) and (s)) "auto" timed 1.2-6.3% slower than "cublaslt"
+for ReLU and GELU, every time. In the suite's rounds (``benchmarks.timing``, order "rotate")
 each round starts one contender later but keeps the cyclic order, so "auto" always runs
 right after "cublaslt". This times the suite's forward cases at that shape (every
 contender but XLA-with-cuBLASLt, which runs in a process of its own) with each of
 ``timing.ROUND_ORDERS``, and with the pair listed in the suite's order and swapped,
 ``--reps`` times in turn, and reports auto / cublaslt (a same-program pair: 1.00 unless
 the method is biased) beside XLA / cublaslt.
+
+Found on the H200 (results/2026-12-03-h200-s-check/, runs 5 and 6): not the rounds. Under
+every order the one of the pair listed first timed faster, by 0-6%.
 """
 
 from __future__ import annotations

@@ -830,15 +830,16 @@ def auto_vs_xla(rows: list[dict]) -> dict | None:
             pairs.setdefault(row_key(r), {})[r["contender"]] = r
     ratios, same_program, fused_pair = [], [], []
     for by in pairs.values():
-        auto, fused = by.get("jax_epilog_auto"), by.get("jax_epilog")
-        if auto and fused and auto["mode"] == "fwd" and auto.get("handler_runs"):
-            label = f"{auto['shape']} {auto['dtype']} {auto['activation']} {auto['mode']}"
-            fused_pair.append((auto["us"] / fused["us"], label))
-        if not (auto and "xla" in by):
+        auto = by.get("jax_epilog_auto")
+        if auto is None:
             continue
-        xla = by["xla"]
-        ratio = xla["us"] / auto["us"]
         label = f"{auto['shape']} {auto['dtype']} {auto['activation']} {auto['mode']}"
+        fused = by.get("jax_epilog")
+        if fused and auto["mode"] == "fwd" and auto.get("handler_runs"):
+            fused_pair.append((auto["us"] / fused["us"], label))
+        if "xla" not in by:
+            continue
+        ratio = by["xla"]["us"] / auto["us"]
         ratios.append((ratio, label))
         if auto.get("handler_runs") == 0:
             same_program.append(abs(ratio - 1))

@@ -752,3 +752,20 @@ def test_round_order_probe_times_the_pair_both_ways_on_cpu(tmp_path, capsys):
     assert all(r["jax_epilog_us"] > 0 and r["jax_epilog_auto_us"] > 0 and r["xla_us"] > 0 for r in rows)
     table = capsys.readouterr().out
     assert table.count("| rotate |") == 4 and table.count("| shuffle |") == 4
+
+
+def test_chain_candidates_probe_appends_a_reading_per_process_on_cpu(tmp_path, capsys):
+    from benchmarks.probes import chain_candidates
+
+    chain_candidates.main(["--out", str(tmp_path), "--cpu-smoke"])
+    chain_candidates.main(["--out", str(tmp_path), "--cpu-smoke", "--activation", "gelu", "--candidate", "1"])
+    rows = [json.loads(line) for line in (tmp_path / "chain_candidates.jsonl").read_text().splitlines()]
+    assert [(r["activation"], r["forced"]) for r in rows] == [("relu", None), ("gelu", 1)]
+    for r in rows:
+        for pattern in chain_candidates.PATTERNS:
+            assert r[pattern]["fused_us"] > 0 and r[pattern]["xla_us"] > 0
+    capsys.readouterr()
+    chain_candidates.main(["--summarize", str(tmp_path)])
+    table = capsys.readouterr().out
+    assert "| gelu | 1 |" in table and "| relu | tuner |" in table
+    assert (tmp_path / "chain_candidates.md").read_text().strip() == table.strip()

@@ -1,0 +1,118 @@
+"""Probe: does the autotuner's pick decide the 16-layer chain's speed?
+
+    python -m benchmarks.probes.chain_candidates [--activation relu|gelu] [--candidate I] [--out DIR] [--cpu-smoke]
+    python -m benchmarks.probes.chain_candidates --summarize DIR
+
+Once in 14 readings (2026-12-03 (s), ``run2/suite2``) the fused ReLU chain of 16 layers at
+256x1024->1024 (bf16, command buffers on, each result released or x donated) took 109-110
+µs a step instead of 77-83, while GELU in the same process did not move. At that size the
+tuner's first and second candidates time within ~5% of each other (4.15 against 4.36 µs in
+its graphs), so two processes may run different algorithms. This process times the suite's
+two buffer-stable chain patterns (``benchmarks.run``'s host section: "stacked, result
+released" and "stacked, x donated"), fused and XLA interleaved, with the layer's plan forced
+to cuBLASLt heuristic candidate ``I`` (as ``benchmarks.probes.forced_algorithm`` forces it)
+or, without ``--candidate``, the tuner's own pick, and appends one JSON line to
+``DIR/chain_candidates.jsonl``: the candidate run, the tuner's times if it tuned, and the
+step times. One process per reading (plans are cached per process); ``--summarize`` renders
+a folder's lines as ``chain_candidates.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import jax
+
+from benchmarks import forward, run
+from benchmarks.timing import measure_interleaved
+
+PATTERNS = ("stacked, result released", "stacked, x donated")
+
+
+def force(candidate: int) -> None:
+    """Make every plan this process tunes pick cuBLASLt heuristic candidate ``candidate``
+    (nothing to force without nvmath-python: the CPU path makes no plans)."""
+    try:
+        from jax_epilog import _nvmath
+    except ImportError:
+        return
+    _nvmath.Plan._time_candidates = lambda self, h: [0.0 if i == candidate else 1.0 for i in range(len(h))]
+
+
+def chain_plan(m: int, k: int) -> dict:
+    """The chain layer's plan: which candidate it runs and, if tuned, each one's µs."""
+    try:
+        from jax_epilog import _nvmath
+    except ImportError:  # no nvmath-python: the CPU path, no plan
+        return {}
+    for (spec, *_), plan in _nvmath._plans.items():
+        if (spec.m, spec.k, spec.n) == (m, k, k):
+            return {"plan": str(spec), "choice": plan.choice, "tuning_us": plan.tuning}
+    return {}
+
+
+def measure(activation: str, settings: run.Settings, scale: int) -> dict:
+    m, k = 256 // scale, 1024 // scale
+    x, ws, bs = forward.chain_operands(m, k, run.CHAIN_DEPTH)
+    layers = forward.single_layers(activation)
+    row = {"shape": f"{m}x{k}->{k}", "activation": activation}
+    for pattern in PATTERNS:
+        steps = [run._chain_step(layers[name], pattern, x, ws, bs) for name in ("fused", "xla")]
+        fused, xla = measure_interleaved([(lambda i, s=s: s(), run.WallClock()) for s in steps], settings)
+        row[pattern] = {"fused_us": fused.us, "xla_us": xla.us, "xla_over_fused": xla.us / fused.us}
+    return row
+
+
+def summarize(folder: Path) -> str:
+    rows = [json.loads(line) for line in (folder / "chain_candidates.jsonl").read_text().splitlines() if line]
+    lines = [
+        "| act | forced | candidate run | tuner's µs (0, 1, 2, ...) | "
+        + " | ".join(f"{p}: fused µs, XLA / fused" for p in PATTERNS)
+        + " |",
+        "|---|---|---|---|" + "---|" * len(PATTERNS),
+    ]
+    for r in sorted(rows, key=lambda r: (r["activation"], r["forced"] is None, r["forced"] or 0)):
+        tuning = ", ".join(f"{t:.2f}" for t in r["tuning_us"]) if r.get("tuning_us") else ""
+        cells = [f"{r[p]['fused_us']:.1f}, {r[p]['xla_over_fused']:.2f}×" for p in PATTERNS]
+        forced = "tuner" if r["forced"] is None else str(r["forced"])
+        lines.append(f"| {r['activation']} | {forced} | {r.get('choice', '')} | {tuning} | {' | '.join(cells)} |")
+    lines.append("")
+    for act in sorted({r["activation"] for r in rows}):
+        for p in PATTERNS:
+            ratios = [r[p]["xla_over_fused"] for r in rows if r["activation"] == act]
+            lines.append(f"- {act}, {p}: XLA / fused median {statistics.median(ratios):.2f}× in {len(ratios)} processes")
+    table = "\n".join(lines)
+    (folder / "chain_candidates.md").write_text(table + "\n")
+    return table
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--activation", choices=("relu", "gelu"), default="relu")
+    parser.add_argument("--candidate", type=int, default=None, help="force this heuristic candidate")
+    parser.add_argument("--out", default="chain_candidates", help="folder of chain_candidates.jsonl")
+    parser.add_argument("--summarize", metavar="DIR", help="render DIR's lines as Markdown and exit")
+    parser.add_argument("--cpu-smoke", action="store_true", help="dimensions / 64, two short samples")
+    args = parser.parse_args(argv)
+    if args.summarize:
+        print(summarize(Path(args.summarize)))
+        return
+    if args.candidate is not None:
+        force(args.candidate)
+    settings, scale = (run.SMOKE, 64) if args.cpu_smoke else (run.QUICK, 1)
+    row = {"forced": args.candidate, **measure(args.activation, settings, scale)}
+    row |= chain_plan(256 // scale, 1024 // scale)
+    row["device"] = str(jax.devices()[0].device_kind)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "chain_candidates.jsonl", "a") as f:
+        f.write(json.dumps(row) + "\n")
+    ratios = ", ".join(f"{p} {row[p]['fused_us']:.1f} µs ({row[p]['xla_over_fused']:.2f}×)" for p in PATTERNS)
+    print(f"{args.activation} candidate {row.get('choice', '—')} (forced {args.candidate}): {ratios}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -123,22 +123,22 @@ def bench_mlp(rows):
         print(json.dumps(row), flush=True)
 
 
-def time_example_steps(example, argv) -> dict[str, float]:
-    """µs per train step of each of the example's models, timed as the other rows are: the
-    jitted steps called back to back from their initial state, samples taken in turns. The
-    example itself trains the models one after the other, so its step times also carry the
-    GPU's drift between them."""
-    args = example.parse_args(argv)
-    steps = []
-    for key in example.LAYERS:
-        train_step, params, opt_state, batch = example.setup(args, key)
-        steps.append((train_step, (params, opt_state, *batch(0))))
-    return dict(zip(example.LAYERS, time_jax_interleaved(*steps)))
+def time_example_steps(prepared: dict) -> dict[str, float]:
+    """µs per train step of each of the example's models (``prepared``: {layer key: its
+    ``setup()``}), timed as the other rows are: the jitted steps called back to back from
+    their initial state, samples taken in turns. The example itself trains the models one
+    after the other, so its step times also carry the GPU's drift between them."""
+    steps = [
+        (train_step, (params, opt_state, *batch(0)))
+        for train_step, params, opt_state, batch in prepared.values()
+    ]
+    return dict(zip(prepared, time_jax_interleaved(*steps)))
 
 
 def bench_example(rows, size="large", implementations=("auto",), options=()):
     """The example at ``--size size`` (plus ``options``, its other flags) with each
-    ``--implementation``: its own step times and the interleaved ones."""
+    ``--implementation``: its own step times and the interleaved ones, both from the same
+    compiled train steps."""
     path = Path(__file__).resolve().parent.parent / "examples" / "train_transformer_mlp.py"
     spec = importlib.util.spec_from_file_location("train_transformer_mlp", path)
     example = importlib.util.module_from_spec(spec)
@@ -149,18 +149,20 @@ def bench_example(rows, size="large", implementations=("auto",), options=()):
         with warnings.catch_warnings():
             warnings.simplefilter("error", FastPathWarning)  # the fused path, or no numbers
             argv = ["--size", size, *options, "--implementation", implementation]
-            result = example.main(argv)
-            interleaved = time_example_steps(example, argv)
+            args = example.parse_args(argv)
+            prepared = {key: example.setup(args, key) for key in example.LAYERS}
+            result = example.main(argv, prepared)
+            interleaved = time_example_steps(prepared)
         print(f"handler executions during the example: {_ffi.handler_stats()[0] - calls0}")
         for key in example.LAYERS:
             r = result[key]
-            rows.append(dict(
-                example=" ".join(["train_transformer_mlp", *argv]),
-                layer=r["layer"], step_ms=r["step_ms"], steps_per_s=1e3 / r["step_ms"],
-                tokens_per_s=r["tokens_per_s"], first_loss=r["losses"][0],
-                final_loss=r["losses"][-1], config=result["config"],
-                interleaved_step_ms=interleaved[key] / 1e3,
-            ))  # fmt: skip
+            rows.append({
+                "example": " ".join(["train_transformer_mlp", *argv]),
+                "layer": r["layer"], "step_ms": r["step_ms"], "steps_per_s": 1e3 / r["step_ms"],
+                "tokens_per_s": r["tokens_per_s"], "first_loss": r["losses"][0],
+                "final_loss": r["losses"][-1], "config": result["config"],
+                "interleaved_step_ms": interleaved[key] / 1e3,
+            })  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
 
 
@@ -168,8 +170,8 @@ def render(rows) -> str:
     lines = []
     grad = [r for r in rows if r.get("mode") == "fwd+bwd"]
     if grad:
-        lines += ["| M×K→N (bf16) | act | fused_dense \"cublaslt\" µs (TF/s) | \"auto\" µs (TF/s) "
-                  "| XLA jit(grad) µs (TF/s) | XLA/cublaslt | XLA/auto |",
+        lines += [("| M×K→N (bf16) | act | fused_dense \"cublaslt\" µs (TF/s) | \"auto\" µs (TF/s) "
+                  "| XLA jit(grad) µs (TF/s) | XLA/cublaslt | XLA/auto |"),
                   "|---|---|---|---|---|---|---|"]  # fmt: skip
         for r in grad:
             cells = " | ".join(f"{r[c + '_us']:.1f} ({r[c + '_tflops']:.0f})" for c in GRAD_CONTENDERS)
@@ -179,8 +181,10 @@ def render(rows) -> str:
     mlp = [r for r in rows if r.get("mode") == "mlp fwd+bwd"]
     if mlp:
         head = " | ".join(f"{c} µs (TF/s)" for c in MLP_CONTENDERS)
-        lines += [f"| M×D→4D→D (bf16), gelu | {head} | XLA/fused_dense | XLA/fused_mlp | XLA/fused_mlp cublaslt |",
-                  "|---|" + "---|" * (len(MLP_CONTENDERS) + 3)]
+        lines += [
+            f"| M×D→4D→D (bf16), gelu | {head} | XLA/fused_dense | XLA/fused_mlp | XLA/fused_mlp cublaslt |",
+            "|---|" + "---|" * (len(MLP_CONTENDERS) + 3),
+        ]
         for r in mlp:
             cells = " | ".join(f"{r[c + '_us']:.1f} ({r[c + '_tflops']:.0f})" for c in MLP_CONTENDERS)
             ratios = " | ".join(f"{r['xla_us'] / r[c + '_us']:.2f}×" for c in MLP_CONTENDERS[1:])
@@ -188,8 +192,8 @@ def render(rows) -> str:
         lines.append("")
     ex = [r for r in rows if "example" in r]
     if ex:
-        lines += ["| example | layer | step ms (median) | steps/s | tokens/s | loss first → final "
-                  "| step ms, interleaved | nn.Dense / layer, interleaved |",
+        lines += [("| example | layer | step ms (median) | steps/s | tokens/s | loss first → final "
+                  "| step ms, interleaved | nn.Dense / layer, interleaved |"),
                   "|---|---|---|---|---|---|---|---|"]  # fmt: skip
         dense = {r["example"]: r["interleaved_step_ms"] for r in ex if r["layer"] == "nn.Dense"}
         for r in ex:
@@ -201,7 +205,9 @@ def render(rows) -> str:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", required=True, help="folder for training.json and training.md")
     parser.add_argument("--part", choices=("grad", "mlp", "example", "all"), default="all")
     args = parser.parse_args(argv)

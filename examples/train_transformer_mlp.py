@@ -174,10 +174,11 @@ def setup(args, layers: str):
     return train_step, params, tx.init(params), batch
 
 
-def train(args, layers: str) -> dict:
+def train(args, layers: str, prepared=None) -> dict:
     """Trains one model (``layers``: a key of LAYERS) for ``args.steps`` steps; returns its
-    losses and step times."""
-    train_step, params, opt_state, batch = setup(args, layers)
+    losses and step times. ``prepared``: what ``setup(args, layers)`` returned, to train
+    with train steps that are already compiled."""
+    train_step, params, opt_state, batch = prepared or setup(args, layers)
     losses, times = [], []
     for step in range(args.steps):
         x, y = jax.block_until_ready(batch(step))
@@ -196,9 +197,10 @@ def train(args, layers: str) -> dict:
     }
 
 
-def main(argv=None) -> dict:
+def main(argv=None, prepared=None) -> dict:
     """Trains the selected models; returns {"config": ..., "mlp": ..., "fused": ..., "dense": ...}
-    (the models trained) and "speedup": {"mlp": ..., "fused": ...} over nn.Dense."""
+    (the models trained) and "speedup": {"mlp": ..., "fused": ...} over nn.Dense.
+    ``prepared``: {key of LAYERS: ``setup(args, key)``} for models already set up."""
     args = parse_args(argv)
     tokens = args.batch * args.seq
     device = jax.devices()[0]
@@ -211,7 +213,7 @@ def main(argv=None) -> dict:
     results = {"config": {k: getattr(args, k) for k in keys}}
     for key in LAYERS:
         if args.layers in ("all", key):
-            results[key] = train(args, key)
+            results[key] = train(args, key, (prepared or {}).get(key))
 
     print(f"{'layer':<12}{'first loss':>12}{'final loss':>12}{'step (median)':>16}{'tokens/s':>14}")
     for key in LAYERS:

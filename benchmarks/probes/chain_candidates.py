@@ -78,19 +78,25 @@ def summarize(folder: Path) -> str:
         tuning = ", ".join(f"{t:.2f}" for t in r["tuning_us"]) if r.get("tuning_us") else ""
         cells = [f"{r[p]['fused_us']:.1f}, {r[p]['xla_over_fused']:.2f}×" for p in PATTERNS]
         forced = "tuner" if r["forced"] is None else str(r["forced"])
-        lines.append(f"| {r['activation']} | {forced} | {r.get('choice', '')} | {tuning} | {' | '.join(cells)} |")
+        lines.append(
+            f"| {r['activation']} | {forced} | {r.get('choice', '')} | {tuning} | {' | '.join(cells)} |"
+        )
     lines.append("")
     for act in sorted({r["activation"] for r in rows}):
         for p in PATTERNS:
             ratios = [r[p]["xla_over_fused"] for r in rows if r["activation"] == act]
-            lines.append(f"- {act}, {p}: XLA / fused median {statistics.median(ratios):.2f}× in {len(ratios)} processes")
+            lines.append(
+                f"- {act}, {p}: XLA / fused median {statistics.median(ratios):.2f}× in {len(ratios)} processes"
+            )
     table = "\n".join(lines)
     (folder / "chain_candidates.md").write_text(table + "\n")
     return table
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--activation", choices=("relu", "gelu"), default="relu")
     parser.add_argument("--candidate", type=int, default=None, help="force this heuristic candidate")
     parser.add_argument("--out", default="chain_candidates", help="folder of chain_candidates.jsonl")
@@ -111,7 +117,10 @@ def main(argv=None):
     with open(out / "chain_candidates.jsonl", "a") as f:
         f.write(json.dumps(row) + "\n")
     ratios = ", ".join(f"{p} {row[p]['fused_us']:.1f} µs ({row[p]['xla_over_fused']:.2f}×)" for p in PATTERNS)
-    print(f"{args.activation} candidate {row.get('choice', '—')} (forced {args.candidate}): {ratios}", flush=True)
+    print(
+        f"{args.activation} candidate {row.get('choice', '—')} (forced {args.candidate}): {ratios}",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -12,8 +12,8 @@ two buffer-stable chain patterns (``benchmarks.run``'s host section: "stacked, r
 released" and "stacked, x donated"), fused and XLA interleaved, with the layer's plan forced
 to cuBLASLt heuristic candidate ``I`` (as ``benchmarks.probes.forced_algorithm`` forces it)
 or, without ``--candidate``, the tuner's own pick, and appends one JSON line to
-``DIR/chain_candidates.jsonl``: the candidate run, the tuner's times if it tuned, and the
-step times. One process per reading (plans are cached per process); ``--summarize`` renders
+``DIR/chain_candidates.jsonl``: the candidate run, the tuner's times if it tuned, the
+step times, every timed batch's length and our handler's runs. One process per reading (plans are cached per process); ``--summarize`` renders
 a folder's lines as ``chain_candidates.md``.
 """
 
@@ -54,6 +54,20 @@ def chain_plan(m: int, k: int) -> dict:
     return {}
 
 
+class SampleClock(run.HandlerCountingClock):
+    """The suite's clock for the chains, also keeping every batch's length: whether a slow
+    reading is slow throughout (a state of the program) or in a few batches."""
+
+    def __init__(self):
+        super().__init__()
+        self.batches_ms: list[float] = []
+
+    def stop(self, out) -> float:
+        seconds = super().stop(out)
+        self.batches_ms.append(round(seconds * 1e3, 3))
+        return seconds
+
+
 def measure(activation: str, settings: run.Settings, scale: int) -> dict:
     m, k = 256 // scale, 1024 // scale
     x, ws, bs = forward.chain_operands(m, k, run.CHAIN_DEPTH)
@@ -61,8 +75,13 @@ def measure(activation: str, settings: run.Settings, scale: int) -> dict:
     row = {"shape": f"{m}x{k}->{k}", "activation": activation}
     for pattern in PATTERNS:
         steps = [run._chain_step(layers[name], pattern, x, ws, bs) for name in ("fused", "xla")]
-        fused, xla = measure_interleaved([(lambda i, s=s: s(), run.WallClock()) for s in steps], settings)
-        row[pattern] = {"fused_us": fused.us, "xla_us": xla.us, "xla_over_fused": xla.us / fused.us}
+        clocks = [SampleClock() for _ in steps]
+        fused, xla = measure_interleaved([(lambda i, s=s: s(), c) for s, c in zip(steps, clocks)], settings)
+        row[pattern] = {
+            "fused_us": fused.us, "xla_us": xla.us, "xla_over_fused": xla.us / fused.us,
+            "calls_per_batch": [fused.iters, xla.iters], "handler_runs": clocks[0].runs,
+            "fused_batches_ms": clocks[0].batches_ms, "xla_batches_ms": clocks[1].batches_ms,
+        }  # fmt: skip
     return row
 
 

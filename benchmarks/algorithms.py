@@ -17,8 +17,7 @@ benchmarks/results/*/algorithms.txt.
 ``--tuning`` checks the autotuner itself at one shape (default 8192x4096->16384): every
 candidate it considered, with the time it measured at planning (scratch operands, best of
 2 rounds, each a CUDA graph of 5-50 launches) beside the time measured here (as above),
-and which one it chose against the fastest here, and each candidate's time with all launches
-in one flat graph (the tuner's method until 2026-12-04); then the candidates nvmath-python's own
+and which one it chose against the fastest here; then the candidates nvmath-python's own
 ``Matmul.plan`` found (its preferences, not ours), timed the same way. Epilog ``DGELU`` is
 the backward's input-gradient problem (``fused_mlp``'s link): M K N name the layer whose
 input gradient it is (x (M, K) -> N), so ``--tuning 8192 4096 1024 DGELU`` is the
@@ -83,14 +82,13 @@ class Timer:
         self.keep.append(data)
         return data.ptr
 
-    def gpu_us(self, launch, n=40, separate=True) -> float:
-        """Median of 5 timings of ``n`` launches in one CUDA graph (GPU time only: launched
-        one by one, a small GEMM would be timed at the host's launch rate); ``separate``:
-        each launch a child graph of its own, as the tuner times them (``_nvmath.graph_us``)."""
-        return _nvmath.graph_us(self.stream, launch, n, samples=5, separate=separate)
+    def gpu_us(self, launch, n=40) -> float:
+        """Median of 5 timings of ``n`` launches captured in one CUDA graph (GPU time only:
+        launched one by one, a small GEMM would be timed at the host's launch rate)."""
+        return _nvmath.graph_us(self.stream, launch, n, samples=5)
 
-    def time_algorithm(self, plan, record, pointers, separate=True) -> float:
-        return self.gpu_us(self.launcher(plan, record, pointers), separate=separate)
+    def time_algorithm(self, plan, record, pointers) -> float:
+        return self.gpu_us(self.launcher(plan, record, pointers))
 
     def sustained_us(self, launch, burst_us: float, warm_ms=60.0, time_ms=140.0) -> float:
         """GPU µs per launch in a long back-to-back run (launched from the host: every
@@ -159,19 +157,14 @@ def tuning(m, k, n, epilogs):
         ptrs = (_dgrad_pointers if dgrad else _forward_pointers)(timer, spec)
         records = candidates(tuned, _nvmath._CANDIDATES)
         here = [timer.time_algorithm(tuned, c, ptrs) for c in records]
-        flat = [timer.time_algorithm(tuned, c, ptrs, separate=False) for c in records]
         chosen = int(np.argmin(tuned.tuning))
         print(
             f"{m}x{k}->{n} {name}: chose candidate {chosen} ({here[chosen]:.1f} µs here), fastest here "
             f"{int(np.argmin(here))} ({min(here):.1f} µs), heuristic first {here[0]:.1f} µs",
             flush=True,
         )
-        for i, (planning, measured, one_graph) in enumerate(zip(tuned.tuning, here, flat)):
-            print(
-                f"  candidate {i:2d}: at planning {planning:8.2f} µs, here {measured:8.2f} µs "
-                f"(all launches in one flat graph: {one_graph:8.2f} µs)",
-                flush=True,
-            )
+        for i, (planning, measured) in enumerate(zip(tuned.tuning, here)):
+            print(f"  candidate {i:2d}: at planning {planning:8.1f} µs, here {measured:8.1f} µs", flush=True)
         theirs = [timer.time_algorithm(tuned, a, ptrs) for a in tuned._mm.algorithms_buffer]
         print(
             f"  nvmath's own {len(theirs)} candidates, here: " + ", ".join(f"{t:.1f}" for t in theirs),

@@ -60,8 +60,8 @@ _ALIGNMENTS = (256, 16)
 # Autotuning: how many of cuBLASLt's heuristic candidates to time, and how: a warm-up of
 # about _TUNING_WARM_US of GPU work (at most _TUNING_WARM_GRAPHS graphs), then two rounds
 # over all candidates, the second in reverse order (a candidate's time is the mean of its
-# two); per round, one CUDA graph of back-to-back runs, each run a child graph of its own
-# (graph_us), at least _TUNING_RUNS and enough for about _TUNING_GRAPH_US of work.
+# two); per round, one CUDA graph of back-to-back runs, at least _TUNING_RUNS and enough for
+# about _TUNING_GRAPH_US of work.
 _CANDIDATES, _TUNING_RUNS, _TUNING_GRAPH_US = 16, 5, 200.0
 _TUNING_WARM_US, _TUNING_WARM_GRAPHS = 100_000.0, 20
 # What cuBLASLt's heuristic is asked for (Plan._choose_algorithm): split-K partial sums
@@ -71,8 +71,7 @@ _REDUCTION_SCHEMES = int(cublasLt.ReductionScheme.COMPUTE_TYPE)
 _HEURISTIC_WORKSPACE = 64 << 20
 
 # Our own tuning graphs do not restrict what other threads may do meanwhile.
-_CAPTURE_RELAXED_MODE = cudart.cudaStreamCaptureMode.cudaStreamCaptureModeRelaxed
-_CAPTURE_RELAXED = int(_CAPTURE_RELAXED_MODE)
+_CAPTURE_RELAXED = int(cudart.cudaStreamCaptureMode.cudaStreamCaptureModeRelaxed)
 
 # Replay: outside XLA's command buffers, a call whose stream and pointers a plan has seen
 # _REPLAY_AFTER times is captured once into a one-GEMM CUDA graph, and later calls with
@@ -181,89 +180,30 @@ def fill_normal(memptr: cp.cuda.MemoryPointer, count: int, dtype: str, scale: fl
     cp.ndarray(count, values.dtype, memptr)[...] = values
 
 
-def graph_us(stream: cp.cuda.Stream, launch, runs: int, samples: int = 1, separate: bool = True) -> float:
-    """GPU µs per ``launch()``: ``runs`` launches in one CUDA graph on ``stream``, launched
-    once to warm up, then ``samples`` times between events (the median).
-
-    ``separate`` (the default): each launch is captured into a graph of its own and the
-    ``runs`` graphs are chained as child-graph nodes of the timed one. That is how our GEMM
-    runs in a program: XLA records a custom call as a child graph of its command buffer,
-    and outside command buffers ``Plan.run`` launches a one-GEMM graph per call. In one
-    flat graph of back-to-back launches the candidates rank differently: at 256x1024->1024
-    (bf16) cuBLASLt's candidate 0 timed 8% faster than candidate 1 there, yet a 16-layer
-    chain ran 4-5% faster with candidate 1 (benchmarks/README.md, (t)).
+def graph_us(stream: cp.cuda.Stream, launch, runs: int, samples: int = 1) -> float:
+    """GPU µs per ``launch()``: ``runs`` launches captured in one CUDA graph on ``stream``,
+    launched once to warm up, then ``samples`` times between events (the median).
 
     ``launch`` runs once uncaptured first, so work the GPU refuses fails there, not inside
     the capture.
     """
     launch()
-    graph = _ChildChain(stream, launch, runs) if separate else _flat_graph(stream, launch, runs)
-    try:
-        graph.launch(stream)
-        times = []
-        for _sample in range(samples):
-            start, end = cp.cuda.Event(), cp.cuda.Event()
-            start.record(stream)
-            graph.launch(stream)
-            end.record(stream)
-            end.synchronize()
-            times.append(cp.cuda.get_elapsed_time(start, end) * 1e3 / runs)
-    finally:
-        if separate:
-            graph.close()
-    return float(np.median(times))
-
-
-def _flat_graph(stream: cp.cuda.Stream, launch, runs: int) -> cp.cuda.graph.Graph:
     stream.begin_capture(_CAPTURE_RELAXED)
     try:
         for _run in range(runs):
             launch()
     finally:
         graph = stream.end_capture()
-    return graph
-
-
-def _rt(result):
-    """The value of a cuda.bindings runtime call, or RuntimeError naming its error."""
-    err, *values = result
-    if err != cudart.cudaError_t.cudaSuccess:
-        raise RuntimeError(f"CUDA runtime call failed: {err!r}")
-    return values[0] if values else None
-
-
-class _ChildChain:
-    """``runs`` copies of one captured ``launch()`` as a chain of child-graph nodes."""
-
-    def __init__(self, stream: cp.cuda.Stream, launch, runs: int):
-        self._graphs, self._exec = [], None
-        try:
-            _rt(cudart.cudaStreamBeginCapture(stream.ptr, _CAPTURE_RELAXED_MODE))
-            try:
-                launch()
-            finally:
-                child = _rt(cudart.cudaStreamEndCapture(stream.ptr))
-                self._graphs.append(child)
-            parent = _rt(cudart.cudaGraphCreate(0))
-            self._graphs.append(parent)
-            node = None
-            for _run in range(runs):
-                deps = [] if node is None else [node]
-                node = _rt(cudart.cudaGraphAddChildGraphNode(parent, deps, len(deps), child))
-            self._exec = _rt(cudart.cudaGraphInstantiate(parent, 0))
-        except BaseException:
-            self.close()
-            raise
-
-    def launch(self, stream: cp.cuda.Stream) -> None:
-        _rt(cudart.cudaGraphLaunch(self._exec, stream.ptr))
-
-    def close(self) -> None:
-        if self._exec is not None:
-            cudart.cudaGraphExecDestroy(self._exec)
-            self._exec = None
-        while self._graphs:
-            cudart.cudaGraphDestroy(self._graphs.pop())
+    graph.launch(stream)
+    times = []
+    for _sample in range(samples):
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record(stream)
+        graph.launch(stream)
+        end.record(stream)
+        end.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, end) * 1e3 / runs)
+    return float(np.median(times))
 
 
 class Plan:

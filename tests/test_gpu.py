@@ -318,28 +318,6 @@ def test_plans_made_at_lowering_are_autotuned(rng):
     _assert_close(y, _oracle(x, w, b, "gelu")[0], TOL["bfloat16"])
 
 
-@pytest.mark.parametrize("separate", [True, False])
-def test_graph_us_runs_every_launch_it_times(separate):
-    """The tuner's timing graph, with each launch a child graph of its own or all in one
-    flat graph: one uncaptured launch, one warm-up launch of the graph, then the samples."""
-    import cupy as cp
-
-    from jax_epilog import _nvmath
-
-    stream = cp.cuda.Stream(non_blocking=True)
-    counter = cp.zeros(3, cp.float32)
-
-    def launch():
-        with stream:
-            counter[...] += 1  # in place: nothing allocated under capture
-
-    runs, samples = 5, 3
-    us = _nvmath.graph_us(stream, launch, runs, samples=samples, separate=separate)
-    stream.synchronize()
-    assert np.isfinite(us) and us > 0
-    np.testing.assert_array_equal(counter.get(), 1 + runs + samples * runs)
-
-
 def test_a_plan_made_without_tuning_runs_the_tuned_choice(rng, monkeypatch):
     """The FFI handler plans (untuned) for the other GPUs of a multi-GPU program: each takes
     the choice tuned at lowering for the same problem, alignment and GPU model."""

@@ -15,6 +15,12 @@ or, without ``--candidate``, the tuner's own pick, and appends one JSON line to
 ``DIR/chain_candidates.jsonl``: the candidate run, the tuner's times if it tuned, the
 step times, every timed batch's length and our handler's runs. One process per reading (plans are cached per process); ``--summarize`` renders
 a folder's lines as ``chain_candidates.md``.
+
+Found on the H200 (results/2026-12-04-h200-t-chain-candidates/): not the algorithm. The tuner
+chose candidate 0 in all 38 processes and one ReLU reading of 21 still fell to 0.88× XLA.
+Candidate 1, 8% slower in the tuner's graphs, ran the chain 4-5% faster than candidate 0
+(eight processes each, in turns); timing the tuner's runs as child graphs, as XLA's command
+buffer holds a custom call, did not change its ranking.
 """
 
 from __future__ import annotations

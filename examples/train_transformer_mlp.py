@@ -176,8 +176,8 @@ def setup(args, layers: str):
 
 def train(args, layers: str, prepared=None) -> dict:
     """Trains one model (``layers``: a key of LAYERS) for ``args.steps`` steps; returns its
-    losses and step times. ``prepared``: what ``setup(args, layers)`` returned, to train
-    with train steps that are already compiled."""
+    losses and step times. ``prepared``: what ``setup(args, layers)`` returned, for a
+    caller that times the same (then compiled) train step afterwards."""
     train_step, params, opt_state, batch = prepared or setup(args, layers)
     losses, times = [], []
     for step in range(args.steps):

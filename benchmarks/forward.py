@@ -281,6 +281,17 @@ def replay_states(plans: dict) -> dict[str, str]:
     return states
 
 
+def force_candidate(index: int) -> None:
+    """Make every plan this process tunes from now on pick cuBLASLt heuristic candidate
+    ``index`` (the "timings" put it first; ``Plan.tuning`` then holds them, not µs).
+    Nothing to force without nvmath-python: the CPU path makes no plans."""
+    try:
+        from jax_epilog import _nvmath
+    except ImportError:
+        return
+    _nvmath.Plan._time_candidates = lambda self, h: [0.0 if i == index else 1.0 for i in range(len(h))]
+
+
 def versions() -> dict:
     info = dict(jax=jax.__version__, python=platform.python_version(), gpu=str(jax.devices()[0].device_kind))
     for name in ("nvmath", "cupy"):

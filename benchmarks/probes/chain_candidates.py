@@ -10,7 +10,7 @@ tuner's first and second candidates time within ~5% of each other (4.15 against 
 its graphs), so two processes may run different algorithms. This process times the suite's
 two buffer-stable chain patterns (``benchmarks.run``'s host section: "stacked, result
 released" and "stacked, x donated"), fused and XLA interleaved, with the layer's plan forced
-to cuBLASLt heuristic candidate ``I`` (as ``benchmarks.probes.forced_algorithm`` forces it)
+to cuBLASLt heuristic candidate ``I`` (``benchmarks.forward.force_candidate``)
 or, without ``--candidate``, the tuner's own pick, and appends one JSON line to
 ``DIR/chain_candidates.jsonl``: the candidate run, the tuner's times if it tuned, the
 step times, every timed batch's length and our handler's runs. One process per reading (plans are cached per process); ``--summarize`` renders
@@ -36,16 +36,6 @@ from benchmarks import forward, run
 from benchmarks.timing import measure_interleaved
 
 PATTERNS = ("stacked, result released", "stacked, x donated")
-
-
-def force(candidate: int) -> None:
-    """Make every plan this process tunes pick cuBLASLt heuristic candidate ``candidate``
-    (nothing to force without nvmath-python: the CPU path makes no plans)."""
-    try:
-        from jax_epilog import _nvmath
-    except ImportError:
-        return
-    _nvmath.Plan._time_candidates = lambda self, h: [0.0 if i == candidate else 1.0 for i in range(len(h))]
 
 
 def chain_plan(m: int, k: int) -> dict:
@@ -132,7 +122,7 @@ def main(argv=None):
         print(summarize(Path(args.summarize)))
         return
     if args.candidate is not None:
-        force(args.candidate)
+        forward.force_candidate(args.candidate)
     settings, scale = (run.SMOKE, 64) if args.cpu_smoke else (run.QUICK, 1)
     row = {"forced": args.candidate, **measure(args.activation, settings, scale)}
     row |= chain_plan(256 // scale, 1024 // scale)

@@ -769,3 +769,28 @@ def test_chain_candidates_probe_appends_a_reading_per_process_on_cpu(tmp_path, c
     table = capsys.readouterr().out
     assert "| gelu | 1 |" in table and "| relu | tuner |" in table
     assert (tmp_path / "chain_candidates.md").read_text().strip() == table.strip()
+
+
+def test_grad_floor_probe_times_the_gemms_a_layers_gradient_needs_on_cpu(tmp_path, capsys):
+    from benchmarks.probes import grad_floor
+
+    m, k, n = (int(v) for v in np.random.default_rng().integers(17, 90, size=3))
+    rng = np.random.default_rng()
+    x, w, dz = (jnp.asarray(rng.standard_normal(s), jnp.bfloat16) for s in ((m, k), (k, n), (m, n)))
+    f32 = lambda a: np.asarray(a, np.float32)
+    want = (f32(x) @ f32(w), f32(dz) @ f32(w).T, f32(x).T @ f32(dz))
+    progs = grad_floor.programs("relu", x, w, jnp.zeros(n, jnp.bfloat16), dz)
+    for name in ("gemms", "gemms_cublaslt", "gemms_pass"):
+        f, args = progs[name]
+        scale = 0.5 if name == "gemms_pass" else 1.0  # its dz is dy * 0.5
+        for got, ref, s in zip(f(*args), want, (1.0, scale, scale)):
+            assert got.shape == ref.shape
+            np.testing.assert_allclose(f32(got), s * ref, rtol=2e-2, atol=0.1, err_msg=name)
+    grad_floor.main(["--shape", "40", "24", "56", "--shape", "24", "1024", "8", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "grad_floor.json").read_text())["rows"]
+    assert [(r["shape"], r["activation"]) for r in rows] == [
+        ("40x24->56", "relu"), ("40x24->56", "gelu"), ("24x1024->8", "relu"), ("24x1024->8", "gelu")
+    ]
+    assert [r["bar"] for r in rows] == [None, None, 1.05, 1.15]
+    assert all(r[f"{c}_us"] > 0 for r in rows for c in grad_floor.CONTENDERS)
+    assert "XLA / GEMMs (most gain)" in capsys.readouterr().out

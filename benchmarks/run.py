@@ -4,8 +4,9 @@
 
 Writes ``<out>/<UTC date>-<gpu slug>.json``, its Markdown rendering beside it (``.md``) and,
 when matplotlib is importable, two plots (``benchmarks/plot.py``). Contenders: fused_dense
-(forward, and forward+backward), XLA's jit of ``act(x @ w + b)`` with default flags and, in a
-second process, with ``--xla_gpu_enable_cublaslt=true``, PyTorch eager in three spellings,
+(forward, and forward+backward), XLA's jit of ``act(x @ w + b)`` with default options and
+compiled with ``xla_gpu_enable_cublaslt`` on (``CUBLASLT_OPTIONS``: the
+``--xla_gpu_enable_cublaslt=true`` flag for that program alone), PyTorch eager in three spellings,
 nvmath-python's ``Matmul`` called from CuPy, plus the machine's matmul and copy ceilings and
 the host cost per call. The method is in benchmarks/README.md.
 
@@ -28,7 +29,6 @@ import shlex
 import statistics
 import subprocess
 import sys
-import tempfile
 import warnings
 from dataclasses import asdict
 from functools import partial
@@ -44,7 +44,10 @@ from benchmarks.timing import EventClock, Settings, Timing, WallClock, measure, 
 from jax_epilog import FastPathWarning, _ffi, fused_dense
 
 REPO = Path(__file__).resolve().parents[1]
-CUBLASLT_FLAG = "--xla_gpu_enable_cublaslt=true"
+# "xla_cublaslt": XLA's program compiled as with XLA_FLAGS=--xla_gpu_enable_cublaslt=true, but
+# in this process, so that it is timed in turns with the others (until 2026-12-04 a second
+# process timed it, before and apart from them, and read it 5-7% faster than in here).
+CUBLASLT_OPTIONS = {"xla_gpu_enable_cublaslt": True}
 TF32 = "COMPUTE_32F_FAST_TF32"
 HAS_IMPLEMENTATION = "implementation" in inspect.signature(fused_dense).parameters
 
@@ -267,8 +270,13 @@ class HandlerCountingClock(WallClock):
 
 def _jax_timed(case: Case, names: list[str], inputs: Inputs) -> list[tuple]:
     """(call, clock) for each JAX contender of a case; the clocks count handler runs."""
-    programs = [jax.jit(jax_program(case, name)) for name in names]
     sets = inputs.jax()
+    programs = [
+        jax.jit(jax_program(case, name)).lower(*sets[0]).compile(
+            compiler_options=CUBLASLT_OPTIONS if name == "xla_cublaslt" else None
+        )
+        for name in names
+    ]
     return [(lambda i, p=p: p(*sets[i % len(sets)]), HandlerCountingClock()) for p in programs]
 
 
@@ -455,58 +463,6 @@ def run_jobs(todo: list[tuple[Case, str]], settings: Settings, progress: Progres
                 on_row(rows)
         i += len(names)
     return rows
-
-
-# ------------------------------------------------------- XLA with cuBLASLt, a second process
-
-
-def run_xla_only(todo, settings: Settings, rows_out: str) -> None:
-    """The child's work: the "xla" contender on every case, rows rewritten after each."""
-    versions = forward.versions()
-
-    def save(rows):
-        with open(rows_out, "w") as fh:
-            json.dump({"versions": versions, "rows": rows}, fh)
-
-    run_jobs([(case, "xla") for case, _ in todo], settings, Progress(len(todo), "xla_cublaslt "), save)
-
-
-def launch_xla_cublaslt(mode_flags: list[str]) -> tuple[list[dict], dict, str | None]:
-    """Run the child with cuBLASLt enabled in XLA: (its rows, its versions, why it failed)."""
-    env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {CUBLASLT_FLAG}".strip())
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "rows.json")
-        cmd = [sys.executable, "-m", "benchmarks.run", "--xla-only", "--rows-out", out, *mode_flags]
-        print(f"XLA_FLAGS='{env['XLA_FLAGS']}' {shlex.join(cmd)}", flush=True)
-        try:
-            code = subprocess.run(cmd, env=env, cwd=REPO, check=False).returncode
-        except OSError as exc:
-            return [], {}, f"could not start the --xla-only process: {failure_reason(exc)}"
-        reason = None if code == 0 else f"the --xla-only process exited with status {code}"
-        try:
-            with open(out) as fh:
-                data = json.load(fh)
-        except (OSError, ValueError):
-            return [], {}, reason or "the --xla-only process wrote no results"
-    return data["rows"], data["versions"], reason
-
-
-def merge_xla_rows(rows: list[dict], child_rows: list[dict], reason: str | None) -> list[dict]:
-    """Put the child's "xla" rows, renamed "xla_cublaslt", after our "xla" row of each case;
-    a case the child did not report gets a skipped row."""
-    theirs = {row_key(r): r for r in child_rows if r["contender"] == "xla"}
-    merged = []
-    for row in rows:
-        merged.append(row)
-        if row["contender"] != "xla":
-            continue
-        child = theirs.get(row_key(row))
-        if child is None:
-            why = reason or "no result from the --xla-only process"
-            child = {field: row[field] for field in ROW_CASE_FIELDS}
-            child.update(us=None, samples=0, tflops=None, skipped=why)
-        merged.append({**child, "contender": "xla_cublaslt"})
-    return merged
 
 
 # ------------------------------------------------------------------- ceilings, host cost
@@ -891,7 +847,9 @@ def _auto_lines(summary: dict | None) -> list[str]:
 def render_markdown(results: dict) -> str:
     v, st = results["versions"], results.get("settings", {})
     shown = ("jax", "jaxlib", "python", "driver", "cublasLt", "nvmath", "cupy", "torch")
-    flags = f"XLA_FLAGS '{v.get('XLA_FLAGS', '')}' (xla_cublaslt: '{v.get('XLA_FLAGS_xla_cublaslt') or ''}')"
+    options = v.get("xla_cublaslt_options") or {}
+    also = ", ".join(f"{k}={val}" for k, val in options.items())
+    flags = f"XLA_FLAGS '{v.get('XLA_FLAGS', '')}'" + (f" (xla_cublaslt: compiled with {also})" if also else "")
     method = (
         f"Each cell: median µs per call over {st.get('samples', '?')} samples (each at least "
         f"{st.get('min_calls', '?')} back-to-back calls and {st.get('sample_s', 0) * 1e3:.0f} ms), then "
@@ -948,16 +906,14 @@ def inputs_s(case: Case) -> float:
 
 
 def estimate_total_s(todo: list[tuple[Case, str]], settings: Settings) -> float:
-    """The measurements, each problem's inputs (made in both processes), the ceiling and
-    host-cost sections and the second process's start."""
+    """The measurements, each problem's inputs, and the ceiling and host-cost sections."""
     problems = {(c.m, c.k, c.n, c.dtype, c.bias_dtype): inputs_s(c) for c, _ in todo}
-    return sum(estimate_s(c, name, settings) for c, name in todo) + 1.5 * sum(problems.values()) + 45
+    return sum(estimate_s(c, name, settings) for c, name in todo) + sum(problems.values()) + 30
 
 
 def summary(todo: list[tuple[Case, str]], settings: Settings) -> str:
-    in_child = sum(name == "xla_cublaslt" for _, name in todo)
     return (
-        f"{len(todo)} measurements ({in_child} in the second process) + {N_CEILING} ceiling + {N_HOST} "
+        f"{len(todo)} measurements + {N_CEILING} ceiling + {N_HOST} "
         f"host-cost; estimated H200 wall time ~{estimate_total_s(todo, settings) / 60:.1f} min (GEMMs at "
         f"600 TF/s in half precision, {PEAK[TF32] / 1e12:.0f} TF32, {PEAK['float32'] / 1e12:.0f} float32; "
         "at least 15 µs per call)"
@@ -991,12 +947,7 @@ def parse_args(argv):
     parser.add_argument(
         "--cpu-smoke", action="store_true", help="shapes / 64, 2 samples of 2 calls: runs on a CPU"
     )
-    parser.add_argument("--xla-only", action="store_true", help=argparse.SUPPRESS)  # the second process
-    parser.add_argument("--rows-out", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.xla_only and not args.rows_out:
-        parser.error("--xla-only needs --rows-out")
-    return args
+    return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> dict | None:
@@ -1008,22 +959,14 @@ def main(argv: list[str] | None = None) -> dict | None:
     if args.dry_run:
         print_plan(todo, settings)
         return None
-    child_todo = [(case, name) for case, name in todo if name == "xla_cublaslt"]
-    if args.xla_only:
-        run_xla_only(child_todo, settings, args.rows_out)
-        return None
-
     print(summary(todo, settings), flush=True)
-    mode_flags = ["--full" if args.full else "--quick", *(["--cpu-smoke"] if args.cpu_smoke else [])]
-    child_rows, child_versions, child_failure = launch_xla_cublaslt(mode_flags)  # before we hold the GPU
-    here = [(case, name) for case, name in todo if name != "xla_cublaslt"]
-    progress = Progress(len(here) + N_CEILING + N_HOST)
+    progress = Progress(len(todo) + N_CEILING + N_HOST)
     on_gpu = jax.devices()[0].platform == "gpu"
     ceiling = guarded(bench_ceiling, settings, scale, progress)
-    rows = merge_xla_rows(run_jobs(here, settings, progress), child_rows, child_failure)
+    rows = run_jobs(todo, settings, progress)
     host = guarded(bench_host, settings, scale, progress, on_gpu)
     versions = environment()
-    versions["XLA_FLAGS_xla_cublaslt"] = child_versions.get("XLA_FLAGS")
+    versions["xla_cublaslt_options"] = CUBLASLT_OPTIONS
     today = datetime.datetime.now(datetime.UTC).date()
     results = {
         "date": today.isoformat(),

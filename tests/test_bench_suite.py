@@ -205,7 +205,7 @@ def test_a_failing_contender_becomes_a_row(monkeypatch):
 
 
 @pytest.mark.parametrize("mode", ["fwd", "fwd+bwd"])
-@pytest.mark.parametrize("contender", ["jax_epilog", "xla"])
+@pytest.mark.parametrize("contender", ["jax_epilog", "xla", "xla_cublaslt"])
 def test_jax_contenders_run_on_cpu(contender, mode):
     case = _tiny(mode, "gelu")
     row = run.run_one(case, contender, run.Inputs(case), run.SMOKE)
@@ -274,22 +274,15 @@ def _row(case, contender, us, skipped=None):
     return run.make_row(case, contender, run.Timing(us, 5, 20, 112) if us else None, skipped=skipped)
 
 
-def test_merge_xla_rows():
-    a, b = _tiny(), _tiny(activation="gelu")
-    ours = [
-        _row(a, "jax_epilog", 10.0),
-        _row(a, "xla", 20.0),
-        _row(b, "jax_epilog", 11.0),
-        _row(b, "xla", 22.0),
-    ]
-    child = [_row(a, "xla", 15.0)]
-    merged = run.merge_xla_rows(ours, child, None)
-    assert [r["contender"] for r in merged] == ["jax_epilog", "xla", "xla_cublaslt"] * 2
-    assert merged[2]["us"] == 15.0 and run.row_key(merged[2]) == run.row_key(merged[1])
-    assert merged[5]["us"] is None and "no result" in merged[5]["skipped"]
-    failed = run.merge_xla_rows(ours, [], "the --xla-only process exited with status 1")
-    assert failed[2]["skipped"] == "the --xla-only process exited with status 1"
-    assert ours[1]["contender"] == "xla"  # inputs untouched
+def test_xla_cublaslt_is_xlas_program_compiled_with_the_option_in_this_process(monkeypatch):
+    case = _tiny("fwd", "relu")
+    inputs = run.Inputs(case)
+    (xla, _), (cublaslt, _) = run._jax_timed(case, ["xla", "xla_cublaslt"], inputs)
+    np.testing.assert_array_equal(np.asarray(xla(0)), np.asarray(cublaslt(0)))  # on a CPU the flag changes nothing
+    monkeypatch.setattr(run, "CUBLASLT_OPTIONS", {"xla_gpu_no_such_option": True})
+    run._jax_timed(case, ["xla"], inputs)  # the options are for xla_cublaslt alone
+    with pytest.raises(Exception, match="xla_gpu_no_such_option"):
+        run._jax_timed(case, ["xla_cublaslt"], inputs)
 
 
 def _results():

@@ -32,7 +32,6 @@ import sys
 import warnings
 from dataclasses import asdict
 from functools import partial
-from pathlib import Path
 from typing import NamedTuple
 
 import jax
@@ -43,7 +42,6 @@ from benchmarks import forward
 from benchmarks.timing import EventClock, Settings, Timing, WallClock, measure, measure_interleaved
 from jax_epilog import FastPathWarning, _ffi, fused_dense
 
-REPO = Path(__file__).resolve().parents[1]
 # "xla_cublaslt": XLA's program compiled as with XLA_FLAGS=--xla_gpu_enable_cublaslt=true, but
 # in this process, so that it is timed in turns with the others (until 2026-12-04 a second
 # process timed it, before and apart from them, and read it 5-7% faster than in here).

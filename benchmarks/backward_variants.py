@@ -17,9 +17,11 @@ benchmarks.forward) for four layers:
   seven of zeros, to keep rows 16-byte aligned), so ``[x, 1, 0]^T @ dz`` holds ``x^T @ dz``
   in its first K rows and ``sum(dz, 0)`` in row K, with no separate reduction over dz.
 
-and two losses: ``sum``, ``sum(act(z))`` as in the issue's anchor (XLA's program then never
-computes act(z) itself: only its derivative is needed), and ``sq``, ``sum(act(z)**2) / 2``,
-where the layer's output is used as in a real network. A last row per shape times the
+and three losses: ``sum``, ``sum(act(z))`` as in the issue's anchor (XLA's program then never
+computes act(z) itself: only its derivative is needed); ``sq``, ``sum(act(z)**2) / 2``, where
+the output's cotangent is the output itself (XLA can still form it from z inside one
+elementwise pass, never writing act(z)); and ``next``, ``sum((act(z) @ v)**2) / 2`` with a
+fixed random v of shape (N, 128), where a GEMM reads the output as a next layer does. A last row per shape times the
 kernel-gradient GEMM alone: BGRADA against XLA's ``x.T @ dz`` with and without
 ``dz.sum(0)``. Results: benchmarks/results/*/backward_variants.{json,md}.
 """
@@ -41,9 +43,19 @@ from jax_epilog._epilogs import Activation, ComputeType
 from jax_epilog._primitive import fused_weight_grad
 
 CT = ComputeType.COMPUTE_32F
+NEXT_WIDTH = 128  # the "next" loss's second layer: y @ v with v of shape (N, NEXT_WIDTH)
+
+
+def _next_layer(y):
+    """``sum((y @ v)**2) / 2`` for a fixed random v: y is read by a GEMM, as by a next layer."""
+    v = jax.random.normal(jax.random.key(0), (y.shape[-1], NEXT_WIDTH), y.dtype) / np.sqrt(y.shape[-1])
+    return 0.5 * jnp.sum(jnp.square((y @ v).astype(jnp.float32)))
+
+
 LOSSES = {
     "sum": lambda y: jnp.sum(y, dtype=jnp.float32),
     "sq": lambda y: 0.5 * jnp.sum(jnp.square(y.astype(jnp.float32))),
+    "next": _next_layer,
 }
 
 

@@ -489,15 +489,15 @@ def test_backward_variants_compute_the_same_gradients(activation):
 
     rng = np.random.default_rng()
     x, w, b = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((37, 19), (19, 23), (23,)))
-    loss = bv.LOSSES["sq"]
-    with jax.default_matmul_precision("highest"):  # XLA's float32 dot on a GPU: not TF32
-        grads = {
-            name: jax.grad(lambda x, w, b, f=f: loss(f(x, w, b)), argnums=(0, 1, 2))(x, w, b)
-            for name, f in bv.layers(activation).items()
-        }
-    for name, got in grads.items():
-        for g, want in zip(got, grads["xla"]):
-            np.testing.assert_allclose(g, want, rtol=1e-4, atol=1e-4, err_msg=name)
+    for loss_name, loss in bv.LOSSES.items():
+        with jax.default_matmul_precision("highest"):  # XLA's float32 dot on a GPU: not TF32
+            grads = {
+                name: jax.grad(lambda x, w, b, f=f: loss(f(x, w, b)), argnums=(0, 1, 2))(x, w, b)
+                for name, f in bv.layers(activation).items()
+            }
+        for name, got in grads.items():
+            for g, want in zip(got, grads["xla"]):
+                np.testing.assert_allclose(g, want, rtol=1e-4, atol=1e-4, err_msg=f"{name}, {loss_name}")
     assert "bgrada" in bv.render([dict(shape="1x1->1", part="kernel gradient", bgrada_us=1.0,
                                        xla_dot_sum_us=1.0, xla_dot_us=1.0)]).lower()  # fmt: skip
 

@@ -173,9 +173,12 @@ def fused_dense(
     Differentiation: reverse mode (``jax.grad``, ``jax.vjp``) in ``x``, ``kernel`` and
     ``bias``, each gradient in its primal's dtype. With ``"cublaslt"`` the forward saves only ``x``, ``kernel``
     and the aux (one bit per output for ReLU); the backward forms ``dz = dy * act'(z)``
-    from it (ReLU's derivative at ``z == 0`` is 0, as for ``jax.nn.relu``); with a bias,
-    the kernel and bias gradients come from one cuBLASLt GEMM whose epilog reduces dz
-    (BGRADA), and ``dx = dz @ kernel.T`` is XLA's GEMM. With ``return_aux=True`` the GELU
+    from it (ReLU's derivative at ``z == 0`` is 0, as for ``jax.nn.relu``), and
+    ``dx = dz @ kernel.T`` is XLA's GEMM. With a bias and GELU or no activation, the kernel
+    and bias gradients come from one cuBLASLt GEMM whose epilog reduces dz (BGRADA); with
+    ReLU from XLA's GEMM and a reduction of its own, which XLA fuses with forming dz from
+    the mask (fwd+bwd 0.92-1.00x XLA at 8192x1024->4096 against 0.83-0.94x with BGRADA;
+    benchmarks/README.md, 2026-12-04 (u)). With ``return_aux=True`` the GELU
     aux is differentiable (it is ``z``); the ReLU mask is not. Forward mode (``jax.jvp``)
     of the fused op is not supported and raises; where ``"xla"`` or ``"auto"`` run XLA's
     own expression it works as for any jnp code.
@@ -324,8 +327,11 @@ def _dense_bwd(config: _Config, residuals, cotangents):
     dx = _reference.input_grad(dz, kernel, ct)  # XLA's GEMM
     if config.bias_dtype is None:  # no bias: a plain GEMM, no bias-gradient epilog
         dkernel, dbias = _reference.weight_grad(x2, dz, ct, kernel.dtype, with_bias=False)
-    else:  # one cuBLASLt GEMM writes both (in float32 when the bias is float32)
-        dkernel, dbias = fused_weight_grad(x2, dz, compute_type=ct, d_dtype=config.d_dtype)
+    else:  # in float32 when the bias is float32
+        if config.activation is Activation.RELU:  # XLA's GEMM and a reduction of its own
+            dkernel, dbias = _reference.weight_grad(x2, dz, ct, config.d_dtype, with_bias=True)
+        else:  # one cuBLASLt GEMM writes both
+            dkernel, dbias = fused_weight_grad(x2, dz, compute_type=ct, d_dtype=config.d_dtype)
         dbias = like(dbias.astype(config.bias_dtype), bias)
     # Under explicit sharding each gradient takes its primal's type (e.g. a kernel split
     # along N whose GEMM gathered it: FSDP, or an aux that cannot split).

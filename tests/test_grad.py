@@ -298,12 +298,21 @@ def test_mlp_training_curve_matches_plain_jnp(rng):
     np.testing.assert_allclose(fused_losses, plain_losses, rtol=2e-3)
 
 
-@pytest.mark.parametrize("with_bias", [True, False])
-def test_backward_computes_the_bias_gradient_only_with_a_bias(rng, with_bias):
-    """With a bias, dkernel and dbias come from one fused weight-gradient op (one cuBLASLt
-    GEMM with the BGRADA epilog on a GPU); without one, a plain GEMM and no reduction."""
-    x, w, b = make_inputs(rng, (6, 12), 10, "float32", bias=with_bias)
-    grad = jax.grad(lambda x, w, b: fused_dense(x, w, b, activation="relu").sum(), argnums=(0, 1))
-    jaxpr = str(jax.make_jaxpr(grad)(x, w, b))
-    assert jaxpr.count("jax_epilog_fused_weight_grad") == (1 if with_bias else 0)
-    assert jaxpr.count("dot_general") == (1 if with_bias else 2)  # dx's GEMM [and dkernel's]
+@pytest.mark.parametrize("activation", ["gelu", None, "relu"])
+def test_backward_computes_the_bias_gradient_only_with_a_bias(rng, activation):
+    """With a bias, GELU and no activation take dkernel and dbias from one fused
+    weight-gradient op (one cuBLASLt GEMM with the BGRADA epilog on a GPU), ReLU from XLA's
+    GEMM and one more reduction; without a bias, a plain GEMM and no reduction."""
+    jaxprs = {}
+    for with_bias in (True, False):
+        x, w, b = make_inputs(rng, (6, 12), 10, "float32", bias=with_bias)
+        layer = lambda x, w, b: fused_dense(x, w, b, activation=activation, implementation="cublaslt")
+        grad = jax.grad(lambda x, w, b: layer(x, w, b).sum(), argnums=(0, 1))
+        jaxprs[with_bias] = str(jax.make_jaxpr(grad)(x, w, b))
+    fused = activation != "relu"
+    assert jaxprs[True].count("jax_epilog_fused_weight_grad") == (1 if fused else 0)
+    assert jaxprs[True].count("dot_general") == (1 if fused else 2)  # dx's GEMM [and dkernel's]
+    assert jaxprs[False].count("jax_epilog_fused_weight_grad") == 0
+    assert jaxprs[False].count("dot_general") == 2
+    extra_sums = jaxprs[True].count("reduce_sum") - jaxprs[False].count("reduce_sum")
+    assert extra_sums == (0 if fused else 1)

@@ -51,7 +51,7 @@ def test_float32_bias_makes_a_float32_d_that_xla_casts(cublaslt_accepts):
 
 @pytest.mark.parametrize("activation", ["gelu", "relu"])
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_backward_adds_one_bgrada_call_only_with_a_bias(cublaslt_accepts, with_bias, activation):
+def test_backward_adds_one_bgrada_call_only_with_a_bias_and_gelu(cublaslt_accepts, with_bias, activation):
     """ReLU's bias gradient is XLA's reduction: no BGRADA call (benchmarks/README.md (u))."""
     x, w, b = _args(jnp.bfloat16)
     loss = lambda x, w, b: op(x, w, b if with_bias else None, activation=activation).astype(jnp.float32).sum()

@@ -168,7 +168,7 @@ class _Layer(NamedTuple):
 
 class _Config(NamedTuple):
     layers: tuple[_Layer, ...]
-    fused_wgrad: bool  # kernel and bias gradients from one BGRADA GEMM ("cublaslt")
+    fused_wgrad: bool  # kernel and bias gradients from one BGRADA GEMM ("cublaslt"; not ReLU's)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -216,7 +216,7 @@ def _weight_grads(h, dz, kernel, layer: _Layer, fused: bool):
     ct = layer.compute_type
     if layer.bias_dtype is None:
         dkernel, dbias = _reference.weight_grad(h, dz, ct, kernel.dtype, with_bias=False)
-    elif fused:
+    elif fused and layer.activation is not Activation.RELU:  # as fused_dense: ReLU's from XLA
         dkernel, dbias = fused_weight_grad(h, dz, compute_type=ct, d_dtype=layer.d_dtype)
     else:
         dkernel, dbias = _reference.weight_grad(h, dz, ct, layer.d_dtype, with_bias=True)

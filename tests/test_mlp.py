@@ -233,6 +233,19 @@ def test_without_a_gelu_feeding_a_layer_it_is_the_stack_of_fused_dense_calls(rng
     jax.jvp(lambda x: mlp(x, layers), (x,), (x,))
 
 
+def test_cublaslt_takes_relu_layers_weight_gradients_from_xla_as_fused_dense_does(rng):
+    """With "cublaslt" every layer with a bias gets one BGRADA weight-gradient GEMM, except
+    ReLU layers: XLA's GEMM and reduction, as in fused_dense's backward."""
+    activations = ("relu", "gelu", None)
+    x, layers = _as_jnp(*draw(rng, (12, 10), (14, 6, 9), "float32", activations))
+    mlp = functools.partial(fused_mlp, activations=activations, implementation="cublaslt")
+    ops = _ops(jax.grad(lambda x, layers: jnp.sum(jnp.sin(mlp(x, layers))), argnums=(0, 1)), x, layers)
+    assert ops.count("jax_epilog_fused_weight_grad") == 2  # the GELU and the linear layer
+    relu_only = functools.partial(fused_mlp, activations=("relu",), implementation="cublaslt")
+    ops = _ops(jax.grad(lambda x, layers: jnp.sum(relu_only(x, layers)), argnums=(0, 1)), x, layers[:1])
+    assert "jax_epilog_fused_weight_grad" not in ops
+
+
 def test_forward_mode_with_a_fused_link_raises(rng):
     x, layers = _as_jnp(*draw(rng, (4, 3), (5, 2), "float32", ("gelu", None)))
     with pytest.raises(TypeError, match="can't apply forward-mode autodiff"):

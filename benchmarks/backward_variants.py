@@ -1,14 +1,15 @@
 """Which backward should fused_dense use? fwd+bwd variants timed side by side.
 
-    python -m benchmarks.backward_variants [--out DIR]
+    python -m benchmarks.backward_variants [--out DIR] [--shape M K N ...]
 
 For each M×K→N of benchmarks.training (bf16) and relu/gelu, this times
 ``jax.jit(jax.grad(loss, argnums=(0, 1, 2)))`` (median of 7 interleaved samples, as
-benchmarks.forward) for four layers:
+benchmarks.forward) for six layers:
 
 - ``xla``: the plain expression ``act(x @ w + b)``, differentiated by XLA;
 - ``cublaslt``: ``fused_dense(..., implementation="cublaslt")``: the fused forward saves the
-  aux; the backward's kernel and bias gradients come from one BGRADA GEMM;
+  aux; the backward's kernel and bias gradients come from one BGRADA GEMM for GELU (for
+  ReLU, since 2026-12-04 (u), from XLA: the same program as ``aux+xla``);
 - ``aux+xla``: the fused forward with its aux, then the backward from that aux with XLA's
   GEMMs and a separate reduction for the bias gradient (a custom_vjp written here);
 - ``auto``: ``fused_dense``'s default;
@@ -21,9 +22,9 @@ and three losses: ``sum``, ``sum(act(z))`` as in the issue's anchor (XLA's progr
 computes act(z) itself: only its derivative is needed); ``sq``, ``sum(act(z)**2) / 2``, where
 the output's cotangent is the output itself (XLA can still form it from z inside one
 elementwise pass, never writing act(z)); and ``next``, ``sum((act(z) @ v)**2) / 2`` with a
-fixed random v of shape (N, 128), where a GEMM reads the output as a next layer does. A last row per shape times the
-kernel-gradient GEMM alone: BGRADA against XLA's ``x.T @ dz`` with and without
-``dz.sum(0)``. Results: benchmarks/results/*/backward_variants.{json,md}.
+fixed random v of shape (N, 128), where a GEMM reads the output as a next layer does. A
+last row per shape times the kernel-gradient GEMM alone: BGRADA against XLA's ``x.T @ dz``
+with and without ``dz.sum(0)``. Results: benchmarks/results/*/backward_variants.{json,md}.
 """
 
 from __future__ import annotations

@@ -270,9 +270,9 @@ def _jax_timed(case: Case, names: list[str], inputs: Inputs) -> list[tuple]:
     """(call, clock) for each JAX contender of a case; the clocks count handler runs."""
     sets = inputs.jax()
     programs = [
-        jax.jit(jax_program(case, name)).lower(*sets[0]).compile(
-            compiler_options=CUBLASLT_OPTIONS if name == "xla_cublaslt" else None
-        )
+        jax.jit(jax_program(case, name))
+        .lower(*sets[0])
+        .compile(compiler_options=CUBLASLT_OPTIONS if name == "xla_cublaslt" else None)
         for name in names
     ]
     return [(lambda i, p=p: p(*sets[i % len(sets)]), HandlerCountingClock()) for p in programs]
@@ -763,7 +763,9 @@ def _host_lines(host: dict) -> list[str]:
         times = (_f(c["jax_epilog_us"]), _f(c["xla_us"]), ratio)
         weights = c.get("weights", "stacked")
         lines.append(
-            _md_row(chain, c["activation"], weights, *times, runs, _f(c["handler_host_us"]), c["command_buffers"])
+            _md_row(
+                chain, c["activation"], weights, *times, runs, _f(c["handler_host_us"]), c["command_buffers"]
+            )
         )
     return lines
 
@@ -847,7 +849,9 @@ def render_markdown(results: dict) -> str:
     shown = ("jax", "jaxlib", "python", "driver", "cublasLt", "nvmath", "cupy", "torch")
     options = v.get("xla_cublaslt_options") or {}
     also = ", ".join(f"{k}={val}" for k, val in options.items())
-    flags = f"XLA_FLAGS '{v.get('XLA_FLAGS', '')}'" + (f" (xla_cublaslt: compiled with {also})" if also else "")
+    flags = f"XLA_FLAGS '{v.get('XLA_FLAGS', '')}'" + (
+        f" (xla_cublaslt: compiled with {also})" if also else ""
+    )
     method = (
         f"Each cell: median µs per call over {st.get('samples', '?')} samples (each at least "
         f"{st.get('min_calls', '?')} back-to-back calls and {st.get('sample_s', 0) * 1e3:.0f} ms), then "
@@ -934,8 +938,10 @@ def parse_args(argv):
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     size = parser.add_mutually_exclusive_group()
-    size.add_argument("--quick", action="store_true", help="the short plan (default; ~4 min on an H200)")
-    size.add_argument("--full", action="store_true", help="every shape, dtype and activation (~9 min)")
+    size.add_argument("--quick", action="store_true", help="the short plan (default; ~2 min on an H200)")
+    size.add_argument(
+        "--full", action="store_true", help="every shape, dtype and activation (~9 min in 2026-12-03's runs)"
+    )
     parser.add_argument(
         "--out", default="benchmarks/results", help="folder for the results (default: %(default)s)"
     )

@@ -325,17 +325,25 @@ def _dense_bwd(config: _Config, residuals, cotangents):
         dz_extra = daux[:, : kernel.shape[1]]  # the GELU aux is z: its cotangent adds to dz
     dz = _reference.output_grad(aux, dy, dz_extra, config.activation, ct, x2.dtype)
     dx = _reference.input_grad(dz, kernel, ct)  # XLA's GEMM
-    if config.bias_dtype is None:  # no bias: a plain GEMM, no bias-gradient epilog
-        dkernel, dbias = _reference.weight_grad(x2, dz, ct, kernel.dtype, with_bias=False)
-    else:  # in float32 when the bias is float32
-        if config.activation is Activation.RELU:  # XLA's GEMM and a reduction of its own
-            dkernel, dbias = _reference.weight_grad(x2, dz, ct, config.d_dtype, with_bias=True)
-        else:  # one cuBLASLt GEMM writes both
-            dkernel, dbias = fused_weight_grad(x2, dz, compute_type=ct, d_dtype=config.d_dtype)
-        dbias = like(dbias.astype(config.bias_dtype), bias)
+    dkernel, dbias = weight_grads(x2, dz, kernel, config.activation, ct, config.d_dtype, config.bias_dtype)
     # Under explicit sharding each gradient takes its primal's type (e.g. a kernel split
     # along N whose GEMM gathered it: FSDP, or an aux that cannot split).
-    return like(dx, x2), like(dkernel.astype(kernel.dtype), kernel), dbias
+    return like(dx, x2), like(dkernel, kernel), (None if dbias is None else like(dbias, bias))
 
 
 _dense.defvjp(_dense_fwd, _dense_bwd)
+
+
+def weight_grads(x2, dz, kernel, activation, ct, d_dtype, bias_dtype, fused: bool = True):
+    """A layer's (dkernel, dbias or None) from its input and dz, in the kernel's and bias's
+    dtypes. Without a bias, a plain GEMM. With one (in ``d_dtype``: float32 beside a float32
+    bias), ``fused``: one cuBLASLt GEMM whose epilog reduces dz (BGRADA), except for ReLU,
+    whose are XLA's GEMM and a reduction of its own (measured faster: fused_dense's
+    docstring); else XLA's."""
+    if bias_dtype is None:
+        dkernel, dbias = _reference.weight_grad(x2, dz, ct, kernel.dtype, with_bias=False)
+    elif fused and activation is not Activation.RELU:
+        dkernel, dbias = fused_weight_grad(x2, dz, compute_type=ct, d_dtype=d_dtype)
+    else:
+        dkernel, dbias = _reference.weight_grad(x2, dz, ct, d_dtype, with_bias=True)
+    return dkernel.astype(kernel.dtype), (None if dbias is None else dbias.astype(bias_dtype))

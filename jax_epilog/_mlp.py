@@ -31,9 +31,10 @@ from ._dense import (
     _implementation,
     check_layer,
     fused_dense,
+    weight_grads,
 )
 from ._epilogs import Activation, ComputeType, aux_padded_width
-from ._primitive import fused_gelu_input_grad, fused_matmul, fused_weight_grad
+from ._primitive import fused_gelu_input_grad, fused_matmul
 from ._sharding import like
 
 __all__ = ["fused_mlp"]
@@ -212,17 +213,6 @@ def _output_grad(layer: _Layer, aux, y, dy, dtype):
     return _reference.output_grad(aux, dy, None, layer.activation, layer.compute_type, dtype)
 
 
-def _weight_grads(h, dz, kernel, layer: _Layer, fused: bool):
-    ct = layer.compute_type
-    if layer.bias_dtype is None:
-        dkernel, dbias = _reference.weight_grad(h, dz, ct, kernel.dtype, with_bias=False)
-    elif fused and layer.activation is not Activation.RELU:  # as fused_dense: ReLU's from XLA
-        dkernel, dbias = fused_weight_grad(h, dz, compute_type=ct, d_dtype=layer.d_dtype)
-    else:
-        dkernel, dbias = _reference.weight_grad(h, dz, ct, layer.d_dtype, with_bias=True)
-    return dkernel.astype(kernel.dtype), (None if dbias is None else dbias.astype(layer.bias_dtype))
-
-
 def _mlp_bwd(config: _Config, residuals, dy):
     inputs, kernels, biases, auxes, y_last = residuals
     layers = config.layers
@@ -233,14 +223,17 @@ def _mlp_bwd(config: _Config, residuals, dy):
         if dz is None:
             y = y_last if i == len(layers) - 1 else inputs[i + 1]
             dz = _output_grad(layer, auxes[i], y, dy, h.dtype)
-        dkernel, dbias = _weight_grads(h, dz, kernel, layer, config.fused_wgrad)
+        act, ct = layer.activation, layer.compute_type
+        dkernel, dbias = weight_grads(
+            h, dz, kernel, act, ct, layer.d_dtype, layer.bias_dtype, config.fused_wgrad
+        )
         dkernels.append(like(dkernel, kernel))  # each its primal's type under explicit sharding
         dbiases.append(None if dbias is None else like(dbias, biases[i]))
         if i and layers[i - 1].activation is Activation.GELU:  # DGELU in this GEMM's epilog
-            (dz_below,) = fused_gelu_input_grad(dz, kernel, auxes[i - 1], compute_type=layer.compute_type)
+            (dz_below,) = fused_gelu_input_grad(dz, kernel, auxes[i - 1], compute_type=ct)
             dz = dz_below.astype(h.dtype)
         else:
-            dy, dz = _reference.input_grad(dz, kernel, layer.compute_type), None
+            dy, dz = _reference.input_grad(dz, kernel, ct), None
     return like(dy, inputs[0]), tuple(reversed(dkernels)), tuple(reversed(dbiases))
 
 

@@ -8,8 +8,8 @@ in five suite runs (2026-12-03 (m) and (s)) "auto" timed 1.2-6.3% slower than "c
 for ReLU and GELU, every time. In the suite's rounds (``benchmarks.timing``, order "rotate")
 each round starts one contender later but keeps the cyclic order, so "auto" always runs
 right after "cublaslt". This times the suite's forward cases at that shape (every
-contender but XLA-with-cuBLASLt, which runs in a process of its own) with each of
-``timing.ROUND_ORDERS``, and with the pair listed in the suite's order and swapped,
+contender but XLA-with-cuBLASLt, which the suite then timed in a process of its own) with
+each of ``timing.ROUND_ORDERS``, and with the pair listed in the suite's order and swapped,
 ``--reps`` times in turn, and reports auto / cublaslt (a same-program pair: 1.00 unless
 the method is biased) beside XLA / cublaslt.
 

@@ -3,6 +3,7 @@ two-layer MLP block through fused_mlp, and the transformer-MLP example's steps/s
 FusedMLP, FusedDense and nn.Dense.
 
     python -m benchmarks.training --out DIR [--part grad|mlp|example|all]
+                                  [--mlp-activations gelu [relu]]
 
 fwd+bwd rows time ``jax.jit(jax.grad(loss, argnums=(0, 1, 2)))`` with
 ``loss = sum(act(x @ w + b))`` (summed in float32), through ``fused_dense`` with its cuBLASLt
@@ -10,8 +11,8 @@ backward (``implementation="cublaslt"``), through ``fused_dense`` as users call 
 XLA's autodiff under ``jax.grad``) and as the plain jnp expression, with the method of
 benchmarks.forward (median of 7 interleaved samples of back-to-back calls). TF/s counts
 three GEMMs: 6 * M * N * K flops per step.
-MLP rows time the same for a transformer MLP block ``gelu(x @ w1 + b1) @ w2 + b2`` (M×D →
-4D → D, bf16) with ``loss = sum(y**2) / 2`` (so the output's cotangent is a real array, as in
+MLP rows time the same for a transformer MLP block ``act(x @ w1 + b1) @ w2 + b2`` (M×D →
+4D → D, bf16; ``act`` GELU, and ReLU with ``--mlp-activations gelu relu``) with ``loss = sum(y**2) / 2`` (so the output's cotangent is a real array, as in
 training): XLA's jit of the plain expression, two ``fused_dense`` calls ("auto") and
 ``fused_mlp`` ("auto" and "cublaslt"), interleaved; TF/s counts 12 * M * D * 4D flops.
 The example rows run ``examples/train_transformer_mlp.py --size large`` in this process
@@ -82,15 +83,15 @@ def bench_grad(rows):
             print(json.dumps(row), flush=True)
 
 
-def mlp_block(contender: str):
+def mlp_block(contender: str, activation: str = "gelu"):
     """The block's forward as each contender writes it."""
-    gelu = activation_fn("gelu")
+    act = activation_fn(activation)
     if contender == "xla":
-        return lambda x, w1, b1, w2, b2: gelu(x @ w1 + b1) @ w2 + b2
+        return lambda x, w1, b1, w2, b2: act(x @ w1 + b1) @ w2 + b2
     if contender == "fused_dense":
-        return lambda x, w1, b1, w2, b2: fused_dense(fused_dense(x, w1, b1, activation="gelu"), w2, b2)
+        return lambda x, w1, b1, w2, b2: fused_dense(fused_dense(x, w1, b1, activation=activation), w2, b2)
     impl = "cublaslt" if contender.endswith("cublaslt") else "auto"
-    return lambda x, w1, b1, w2, b2: fused_mlp(x, [(w1, b1), (w2, b2)], ["gelu", None], implementation=impl)
+    return lambda x, w1, b1, w2, b2: fused_mlp(x, [(w1, b1), (w2, b2)], [activation, None], implementation=impl)
 
 
 def mlp_inputs(m: int, d: int):
@@ -101,26 +102,31 @@ def mlp_inputs(m: int, d: int):
     return x, w1, b1, w2, b2
 
 
-def mlp_grad_step(contender: str):
+def mlp_grad_step(contender: str, activation: str = "gelu"):
     """jax.jit(jax.grad) in all five arrays of the block's loss sum(y**2) / 2."""
-    block = mlp_block(contender)
+    block = mlp_block(contender, activation)
     loss = lambda *a: 0.5 * jnp.sum(jnp.square(block(*a).astype(jnp.float32)))
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
 
 
-def bench_mlp(rows):
-    for m, d in MLP_SHAPES:
-        args = mlp_inputs(m, d)
-        steps = [(mlp_grad_step(contender), args) for contender in MLP_CONTENDERS]
-        times = dict(zip(MLP_CONTENDERS, time_jax_interleaved(*steps)))
-        flops = 12 * m * d * 4 * d
-        row = dict(
-            shape=f"{m}x{d}->{4 * d}->{d}", dtype="bfloat16", mode="mlp fwd+bwd",
-            **{f"{c}_us": t for c, t in times.items()},
-            **{f"{c}_tflops": flops / t / 1e6 for c, t in times.items()},
-        )  # fmt: skip
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+def bench_mlp(rows, activations=("gelu",), shapes=MLP_SHAPES):
+    for activation in activations:
+        for m, d in shapes:
+            bench_mlp_shape(rows, activation, m, d)
+
+
+def bench_mlp_shape(rows, activation: str, m: int, d: int):
+    args = mlp_inputs(m, d)
+    steps = [(mlp_grad_step(contender, activation), args) for contender in MLP_CONTENDERS]
+    times = dict(zip(MLP_CONTENDERS, time_jax_interleaved(*steps)))
+    flops = 12 * m * d * 4 * d
+    row = dict(
+        shape=f"{m}x{d}->{4 * d}->{d}", activation=activation, dtype="bfloat16", mode="mlp fwd+bwd",
+        **{f"{c}_us": t for c, t in times.items()},
+        **{f"{c}_tflops": flops / t / 1e6 for c, t in times.items()},
+    )  # fmt: skip
+    rows.append(row)
+    print(json.dumps(row), flush=True)
 
 
 def time_example_steps(prepared: dict) -> dict[str, float]:
@@ -182,13 +188,13 @@ def render(rows) -> str:
     if mlp:
         head = " | ".join(f"{c} µs (TF/s)" for c in MLP_CONTENDERS)
         lines += [
-            f"| M×D→4D→D (bf16), gelu | {head} | XLA/fused_dense | XLA/fused_mlp | XLA/fused_mlp cublaslt |",
-            "|---|" + "---|" * (len(MLP_CONTENDERS) + 3),
+            f"| M×D→4D→D (bf16) | act | {head} | XLA/fused_dense | XLA/fused_mlp | XLA/fused_mlp cublaslt |",
+            "|---|---|" + "---|" * (len(MLP_CONTENDERS) + 3),
         ]
         for r in mlp:
             cells = " | ".join(f"{r[c + '_us']:.1f} ({r[c + '_tflops']:.0f})" for c in MLP_CONTENDERS)
             ratios = " | ".join(f"{r['xla_us'] / r[c + '_us']:.2f}×" for c in MLP_CONTENDERS[1:])
-            lines.append(f"| {r['shape']} | {cells} | {ratios} |")
+            lines.append(f"| {r['shape']} | {r.get('activation', 'gelu')} | {cells} | {ratios} |")
         lines.append("")
     ex = [r for r in rows if "example" in r]
     if ex:
@@ -210,12 +216,14 @@ def main(argv=None):
     )
     parser.add_argument("--out", required=True, help="folder for training.json and training.md")
     parser.add_argument("--part", choices=("grad", "mlp", "example", "all"), default="all")
+    parser.add_argument("--mlp-activations", nargs="+", choices=("gelu", "relu"), default=["gelu"],
+                        help="the block's first activation(s) for the MLP rows (default: gelu)")
     args = parser.parse_args(argv)
     rows: list[dict] = []
     if args.part in ("grad", "all"):
         bench_grad(rows)
     if args.part in ("mlp", "all"):
-        bench_mlp(rows)
+        bench_mlp(rows, args.mlp_activations)
     if args.part in ("example", "all"):
         bench_example(rows)
     table = render(rows)

@@ -787,3 +787,31 @@ def test_grad_floor_probe_times_the_gemms_a_layers_gradient_needs_on_cpu(tmp_pat
     assert [r["bar"] for r in rows] == [None, None, 1.05, 1.15]
     assert all(r[f"{c}_us"] > 0 for r in rows for c in grad_floor.CONTENDERS)
     assert "XLA / GEMMs (most gain)" in capsys.readouterr().out
+
+
+def test_mlp_rows_time_each_activation_interleaved(monkeypatch):
+    import warnings
+
+    from benchmarks import forward, training
+
+    monkeypatch.setattr(forward, "SETTINGS", run.Settings(samples=2, min_calls=2, sample_s=0.0, warmup=1))
+    timed = []
+    real = forward.measure_interleaved
+    monkeypatch.setattr(forward, "measure_interleaved", lambda calls, s: timed.append(len(calls)) or real(calls, s))
+    rows = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # on a CPU "cublaslt" says it runs XLA's path
+        training.bench_mlp(rows, ("gelu", "relu"), shapes=[(24, 8)])
+    assert timed == [len(training.MLP_CONTENDERS)] * 2
+    assert [(r["shape"], r["activation"]) for r in rows] == [("24x8->32->8", "gelu"), ("24x8->32->8", "relu")]
+    table = training.render(rows)
+    assert "| M×D→4D→D (bf16) | act |" in table and "| 24x8->32->8 | relu |" in table
+    # The block each contender times computes the same thing, activation included.
+    args = training.mlp_inputs(24, 8)
+    ref = training.mlp_block("xla", "relu")(*args).astype(np.float32)
+    assert not np.allclose(ref, training.mlp_block("xla", "gelu")(*args).astype(np.float32), atol=1e-2)
+    for contender in training.MLP_CONTENDERS[1:]:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = training.mlp_block(contender, "relu")(*args).astype(np.float32)
+        np.testing.assert_allclose(got, ref, rtol=2e-2, atol=2e-2)

@@ -815,3 +815,27 @@ def test_mlp_rows_time_each_activation_interleaved(monkeypatch):
             warnings.simplefilter("ignore")
             got = training.mlp_block(contender, "relu")(*args).astype(np.float32)
         np.testing.assert_allclose(got, ref, rtol=2e-2, atol=2e-2)
+
+
+def test_mlp_layers_probe_times_each_layers_implementation_on_cpu(tmp_path, capsys):
+    import warnings
+
+    from benchmarks import training
+    from benchmarks.probes import mlp_layers
+
+    m, d = (int(v) for v in np.random.default_rng().integers(9, 40, size=2))
+    args = [jnp.asarray(a, jnp.float32) for a in training.mlp_inputs(m, d)]
+    want = mlp_layers.grad_step("xla", "relu")(*args)
+    for contender in mlp_layers.CONTENDERS[1:]:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # on a CPU "cublaslt" says it runs XLA's path
+            got = mlp_layers.grad_step(contender, "relu")(*args)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4, err_msg=contender)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mlp_layers.main(["--shape", "24", "8", "--activation", "relu", "gelu", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "mlp_layers.json").read_text())["rows"]
+    assert [(r["shape"], r["activation"]) for r in rows] == [("24x8->32->8", "relu"), ("24x8->32->8", "gelu")]
+    assert all(r[f"{c}_us"] > 0 for r in rows for c in mlp_layers.CONTENDERS)
+    assert "| XLA/auto | XLA/both | XLA/first | XLA/second |" in capsys.readouterr().out

@@ -1,0 +1,105 @@
+"""Probe: in an MLP block's fwd+bwd, which layer's cuBLASLt backward gains over XLA?
+
+    python -m benchmarks.probes.mlp_layers [--out DIR] [--shape M D ...] [--activation relu gelu]
+
+benchmarks.training's MLP rows (2026-12-04 (v)) read ``fused_mlp(implementation="cublaslt")``
+ahead of XLA on ReLU blocks (1.01-1.16x) where "auto", XLA's autodiff, reads 1.00x. With
+ReLU first, ``fused_mlp`` is the stack of two ``fused_dense`` calls: a ReLU layer (mask in
+the forward; dz from it, XLA's GEMMs) and a layer without activation (BGRADA). This probe
+times the block ``act(x @ w1 + b1) @ w2 + b2`` (the rows' inputs and loss ``sum(y**2) / 2``,
+``jax.jit(jax.grad)`` in all five arrays, median of interleaved samples of back-to-back
+calls) as:
+
+- ``xla``: the plain expression;
+- ``auto``: two ``fused_dense`` calls as users write them (XLA's autodiff);
+- ``both``: both calls with ``implementation="cublaslt"``;
+- ``first``: the activation layer "cublaslt", the other "auto";
+- ``second``: the activation layer "auto", the other "cublaslt".
+
+Results: DIR/mlp_layers.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.forward import time_jax_interleaved, write_results
+from benchmarks.training import mlp_inputs
+from jax_epilog import fused_dense
+
+IMPLEMENTATIONS = {  # contender -> (first layer's, second layer's implementation)
+    "auto": ("auto", "auto"),
+    "both": ("cublaslt", "cublaslt"),
+    "first": ("cublaslt", "auto"),
+    "second": ("auto", "cublaslt"),
+}
+CONTENDERS = ("xla", *IMPLEMENTATIONS)
+SHAPES = [(8192, 1024), (8192, 4096), (2048, 1024)]
+
+
+def block(contender: str, activation: str):
+    if contender == "xla":
+        act = {"relu": jax.nn.relu, "gelu": lambda z: jax.nn.gelu(z, approximate=True)}[activation]
+        return lambda x, w1, b1, w2, b2: act(x @ w1 + b1) @ w2 + b2
+    first, second = IMPLEMENTATIONS[contender]
+
+    def f(x, w1, b1, w2, b2):
+        h = fused_dense(x, w1, b1, activation=activation, implementation=first)
+        return fused_dense(h, w2, b2, implementation=second)
+
+    return f
+
+
+def grad_step(contender: str, activation: str):
+    f = block(contender, activation)
+    loss = lambda *a: 0.5 * jnp.sum(jnp.square(f(*a).astype(jnp.float32)))
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+
+
+def bench(shapes, activations) -> list[dict]:
+    rows = []
+    for activation in activations:
+        for m, d in shapes:
+            args = mlp_inputs(m, d)
+            times = time_jax_interleaved(*[(grad_step(c, activation), args) for c in CONTENDERS])
+            row = {"shape": f"{m}x{d}->{4 * d}->{d}", "activation": activation, "dtype": "bfloat16"}
+            row |= {f"{c}_us": t for c, t in zip(CONTENDERS, times)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def render(rows) -> str:
+    lines = [
+        "| M×D→4D→D (bf16) | act | " + " | ".join(f"{c} µs" for c in CONTENDERS) + " | "
+        + " | ".join(f"XLA/{c}" for c in CONTENDERS[1:]) + " |",
+        "|---|---|" + "---|" * (2 * len(CONTENDERS) - 1),
+    ]  # fmt: skip
+    for r in rows:
+        times = " | ".join(f"{r[c + '_us']:.1f}" for c in CONTENDERS)
+        ratios = " | ".join(f"{r['xla_us'] / r[c + '_us']:.2f}×" for c in CONTENDERS[1:])
+        lines.append(f"| {r['shape']} | {r['activation']} | {times} | {ratios} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", help="folder for mlp_layers.json and mlp_layers.md")
+    parser.add_argument("--shape", nargs=2, type=int, action="append", metavar=("M", "D"))
+    parser.add_argument("--activation", nargs="+", choices=("relu", "gelu"), default=["relu"])
+    args = parser.parse_args(argv)
+    rows = bench([tuple(s) for s in args.shape] if args.shape else SHAPES, args.activation)
+    table = render(rows)
+    if args.out:
+        write_results(args.out, "mlp_layers", rows, table)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -71,25 +71,37 @@ def fused_mlp(
       (..., N_last) array in ``x``'s dtype.
 
     The value equals stacking ``fused_dense`` calls with the same arguments, and so does
-    the gradient, except where a GELU layer feeds another layer with ``"cublaslt"``, or
-    with ``"auto"`` on 8192 rows or more (where it measured faster than XLA; fewer rows
-    measured 0.90-0.96x): there the backward forms the GELU layer's ``dz`` in the next layer's
-    input-gradient GEMM, with cuBLASLt's DGELU epilog on a GPU (the reference math of that
-    GEMM elsewhere). The product then meets ``gelu'(z)`` in float32 before rounding once,
-    where separate calls round it to x's dtype first. Forward passes follow ``fused_dense``'s
-    rule per layer, except for ReLU: with ``"auto"``, the fused kernel for large GELU
-    layers and XLA's expression for ReLU (which ``fused_dense`` fuses when large: here the
-    backward reads y > 0 more cheaply than the mask), no activation and small layers,
-    saving the GELU input z for the backward; with ``"cublaslt"``, the fused kernel and its
-    aux. Every layer's kernel and bias gradients: as ``fused_dense`` with the same
-    implementation (XLA's GEMM and reduction for ``"auto"``). ReLU's derivative comes from
-    the aux mask, or with ``"auto"`` from ``h_{i+1} > 0``, the same except where a
-    positive z rounds to zero in x's dtype.
+    the gradient, except in two places where this function sees what ``fused_dense``
+    cannot, that a layer's output feeds another layer's GEMM:
 
-    Without such a link (no GELU layer before the last one, ``"xla"``, float64, or
-    ``"auto"`` on fewer rows) ``fused_mlp`` is exactly the stack of ``fused_dense`` calls
-    (forward mode then works where ``fused_dense``'s does). With one it is a
-    ``jax.custom_vjp``: reverse mode only.
+    - A GELU layer feeding another layer, with ``"cublaslt"``, or with ``"auto"`` on 8192
+      rows or more (where it measured faster than XLA; fewer rows measured 0.90-0.96x):
+      the backward forms the GELU layer's ``dz`` in the next layer's input-gradient GEMM,
+      with cuBLASLt's DGELU epilog on a GPU (the reference math of that GEMM elsewhere).
+      The product then meets ``gelu'(z)`` in float32 before rounding once, where
+      separate calls round it to x's dtype first.
+    - A ReLU layer feeding another layer, with ``"auto"``, on a layer large enough for
+      ``fused_dense``'s "auto" forward to fuse it (M >= 1024 rows and M*N*K >= 2**33):
+      it runs as ``"cublaslt"`` does, the fused kernel keeping its bit-mask for the
+      backward (XLA's GEMMs and reduction from it). In a ReLU block's fwd+bwd that
+      measured 1.04-1.06x XLA's autodiff at 8192x1024->4096->1024 and 1.01-1.02x at
+      8192x4096->16384->4096 and 2048x1024->4096->1024 (H200, bf16; benchmarks/README.md,
+      2026-12-04 (v)); a lone ``fused_dense`` whose output a loss reads keeps XLA's
+      autodiff, where the same backward measured 0.92-1.02x.
+
+    In a linked block (the first case) forward passes follow ``fused_dense``'s rule per
+    layer, except that with ``"auto"`` a ReLU layer that is the last one, or too small,
+    runs XLA's expression (its backward reads ``h_{i+1} > 0``, the same as the mask except
+    where a positive z rounds to zero in x's dtype), and a GELU layer that is not fused
+    saves z; with ``"cublaslt"``, every layer runs the fused kernel and keeps its aux.
+    Every layer's kernel and bias gradients: as ``fused_dense`` with the same
+    implementation (XLA's GEMM and reduction for ``"auto"``).
+
+    Without a link (no GELU layer before the last one, ``"xla"``, float64, or ``"auto"``
+    on fewer rows) ``fused_mlp`` is the stack of ``fused_dense`` calls, each with
+    ``implementation``, except the ReLU layers of the second case (forward mode then works
+    where ``fused_dense``'s does). With a link it is a ``jax.custom_vjp``: reverse mode
+    only.
     Raises TypeError/ValueError at trace time, naming the layer, for anything
     ``fused_dense`` would refuse and for ``layers``/``activations`` that do not pair up.
     """
@@ -109,21 +121,35 @@ def fused_mlp(
     lead, m = x.shape[:-1], math.prod(x.shape[:-1])
     gelu_feeds_a_layer = any(act is Activation.GELU for act, _, _ in checked[:-1])
     link = gelu_feeds_a_layer and (impl == "cublaslt" or (impl == "auto" and m >= _AUTO_LINK_MIN_ROWS))
+    ks = [x.shape[-1], *(kernel.shape[1] for kernel, _ in layers)]
+    # With "auto", the large layers (_auto_fuses) whose fused backward measured faster than
+    # XLA's autodiff in a block: GELU layers (linked, above), and ReLU layers whose output a
+    # GEMM reads: the next layer's. Their mask backward read 1.04-1.06x XLA's in a ReLU block
+    # at 8192x1024->4096->1024 and 1.01-1.02x at 8192x4096->16384->4096 and 2048 rows
+    # (benchmarks.probes.mlp_layers, benchmarks.training, 2026-12-04 (v)); where a loss reads
+    # the layer directly it measured 0.92-1.02x, so fused_dense alone keeps XLA's autodiff.
+    auto_fused = [
+        impl == "auto"
+        and dtype != "float64"
+        and (act is Activation.GELU or (act is Activation.RELU and i < len(layers) - 1))
+        and _auto_fuses(act, m, ks[i + 1], ks[i])
+        for i, (act, _, _) in enumerate(checked)
+    ]
     if dtype == "float64" or not link:
         h = x
-        for (kernel, bias), act in zip(layers, activations):
-            h = fused_dense(h, kernel, bias, activation=act, compute_type=compute_type, implementation=impl)
+        for (kernel, bias), (act, _, _), fused in zip(layers, checked, auto_fused):
+            layer_impl = "cublaslt" if fused and act is Activation.RELU else impl
+            h = fused_dense(
+                h, kernel, bias, activation=act, compute_type=compute_type, implementation=layer_impl
+            )
         return h
 
     configs = []
-    k = x.shape[-1]
-    for (kernel, bias), (act, ct, f32_bias) in zip(layers, checked):
-        n = kernel.shape[1]
-        # "auto" fuses large GELU layers only: here a layer's forward also leaves the
-        # residuals of this backward, and a ReLU layer's mask then costs more in XLA's
-        # backward GEMMs than the fused forward saves (benchmarks.backward_variants).
-        auto_fused = act is Activation.GELU and _auto_fuses(act, m, n, k)
-        fused_forward = impl == "cublaslt" or ct not in _XLA_COMPUTE_TYPES or auto_fused
+    for i, ((kernel, bias), (act, ct, f32_bias)) in enumerate(zip(layers, checked)):
+        # Here a layer's forward also leaves the residuals of this backward: with "auto",
+        # large GELU layers and large ReLU layers feeding a layer run the fused kernel and
+        # keep its aux (z; the mask), the others XLA's expression (z; y > 0 for ReLU).
+        fused_forward = impl == "cublaslt" or ct not in _XLA_COMPUTE_TYPES or auto_fused[i]
         configs.append(
             _Layer(
                 activation=act,
@@ -133,7 +159,6 @@ def fused_mlp(
                 fused_forward=fused_forward,
             )
         )
-        k = n
     config = _Config(layers=tuple(configs), fused_wgrad=impl == "cublaslt")
     kernels = tuple(kernel for kernel, _ in layers)
     biases = tuple(bias for _, bias in layers)

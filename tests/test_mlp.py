@@ -9,6 +9,7 @@ GPU test.
 from __future__ import annotations
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +18,7 @@ import pytest
 from helpers import ON_GPU, act_fn, assert_near, np_dtype
 from jax.test_util import check_grads
 
+from jax_epilog import _mlp as mlp_module
 from jax_epilog import fused_dense, fused_mlp
 from jax_epilog._epilogs import ComputeType, aux_padded_width
 from jax_epilog._primitive import fused_gelu_input_grad
@@ -200,16 +202,72 @@ def test_auto_link_on_many_rows_matches_float64_reference_vjp(rng, dtype):
     _assert_grads_match_reference(f, x, layers, dy, activations, TOL[dtype])
 
 
-def test_auto_link_fuses_the_forward_of_large_gelu_layers_only():
-    """fused_dense's "auto" fuses large ReLU forwards too; fused_mlp's linked path keeps
-    ReLU layers on XLA's expression, whose residuals its backward reads more cheaply."""
+def _sds_block(rows, widths):
     sds = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
-    x = sds(8192, 1024)
-    layers = [(sds(1024, 4096), sds(4096)), (sds(4096, 1024), sds(1024)), (sds(1024, 1024), sds(1024))]
-    jaxpr = _ops(functools.partial(fused_mlp, activations=("gelu", "relu", None)), x, layers)
-    assert jaxpr.count("jax_epilog_fused_matmul") == 1  # the GELU layer's
+    dims = [1024, *widths]
+    return sds(rows, 1024), [(sds(k, n), sds(n)) for k, n in itertools.pairwise(dims)]
+
+
+def test_auto_link_fuses_large_gelu_layers_and_relu_layers_feeding_a_layer():
+    """In the linked path "auto" runs the fused kernel for large GELU layers and for large
+    ReLU layers whose output the next layer's GEMM reads; a last ReLU layer, whose
+    consumer is unknown, and a layer without activation run XLA's expression."""
+    x, layers = _sds_block(8192, (4096, 1024, 1024, 1024))
+    mlp = functools.partial(fused_mlp, activations=("gelu", "relu", None, "relu"))
+    assert _ops(mlp, x, layers).count("jax_epilog_fused_matmul") == 2  # the GELU and first ReLU
+    grad = jax.grad(lambda x, layers: jnp.sum(mlp(x, layers).astype(jnp.float32)), argnums=(0, 1))
+    assert "jax_epilog_fused_gelu_input_grad" in _ops(grad, x, layers)
     alone = _ops(lambda x, w, b: fused_dense(x, w, b, activation="relu"), x, *layers[0])
     assert "jax_epilog_fused_matmul" in alone
+
+
+@pytest.mark.parametrize(
+    "rows,widths,activations,fused",
+    [
+        (8192, (4096, 1024), ("relu", None), 1),  # the measured block: its ReLU layer
+        (8192, (4096, 1024, 1024), ("relu", "relu", None), 2),
+        (2048, (4096, 1024), ("relu", None), 1),  # M*N*K = 2**33: large enough
+        (8192, (1024, 4096), (None, "relu"), 0),  # a last ReLU layer: XLA's autodiff
+        (512, (4096, 1024), ("relu", None), 0),  # too few rows for the fused forward
+        (8192, (4096, 1024), ("gelu", None), None),  # GELU links instead (DGELU)
+    ],
+)
+def test_auto_differentiates_large_relu_layers_feeding_a_layer_through_their_mask(
+    rows, widths, activations, fused
+):
+    """Under jax.grad the "auto" stack of fused_dense calls keeps XLA's autodiff, except for
+    a large ReLU layer whose output feeds the next layer: that one runs as "cublaslt" (fused
+    forward, backward from its mask), measured faster in a block (benchmarks/README.md)."""
+    x, layers = _sds_block(rows, widths)
+    mlp = functools.partial(fused_mlp, activations=activations)
+    grad = jax.grad(lambda x, layers: jnp.sum(mlp(x, layers).astype(jnp.float32)), argnums=(0, 1))
+    ops = _ops(grad, x, layers)
+    if fused is None:
+        assert "jax_epilog_fused_gelu_input_grad" in ops
+    else:
+        # fused_dense's "auto" forward under jax.grad is XLA's expression: only a layer
+        # differentiated as "cublaslt" leaves a fused_matmul in the gradient's program.
+        assert ops.count("jax_epilog_fused_matmul") == fused
+
+
+@pytest.mark.parametrize(
+    "x_shape,activations",
+    [((2, 9, 6), ("relu", "relu", None)), ((2, 4097, 6), ("gelu", "relu", None))],
+    ids=["stacked", "linked"],
+)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_auto_relu_layers_feeding_a_layer_match_float64_reference_vjp(
+    rng, monkeypatch, dtype, x_shape, activations
+):
+    """The numbers of that rule on small layers (the size threshold lowered), in the stack
+    of fused_dense calls and in a linked block (8194 rows)."""
+    monkeypatch.setattr(mlp_module, "_auto_fuses", lambda act, m, n, k: act is not None)
+    x, layers = draw(rng, x_shape, (9, 5, 3), dtype, activations)
+    dy = rng.standard_normal((*x_shape[:-1], 3)).astype(np_dtype(dtype))
+    f = jax.jit(functools.partial(fused_mlp, activations=activations))
+    ops = _ops(jax.grad(lambda x, layers: jnp.sum(f(x, layers))), *_as_jnp(x, layers))
+    assert ops.count("jax_epilog_fused_matmul") == 2  # both layers with an activation
+    _assert_grads_match_reference(f, x, layers, dy, activations, TOL[dtype])
 
 
 def test_without_a_gelu_feeding_a_layer_it_is_the_stack_of_fused_dense_calls(rng):

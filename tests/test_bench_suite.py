@@ -716,13 +716,22 @@ def test_suite_records_each_plans_tuning_and_replay(monkeypatch):
     }
 
 
-def test_example_rows_time_the_train_steps_interleaved(monkeypatch):
-    from benchmarks import forward, training
+def _count_interleaved(monkeypatch) -> list[int]:
+    """Short timing settings for benchmarks.forward; returns the list that records how many
+    contenders each interleaved measurement took."""
+    from benchmarks import forward
 
     monkeypatch.setattr(forward, "SETTINGS", run.Settings(samples=2, min_calls=2, sample_s=0.0, warmup=1))
     timed = []
     real = forward.measure_interleaved
     monkeypatch.setattr(forward, "measure_interleaved", lambda calls, s: timed.append(len(calls)) or real(calls, s))
+    return timed
+
+
+def test_example_rows_time_the_train_steps_interleaved(monkeypatch):
+    from benchmarks import training
+
+    timed = _count_interleaved(monkeypatch)
     rows = []
     options = ("--d-model", "16", "--blocks", "1", "--batch", "2", "--seq", "8", "--steps", "4", "--warmup", "1")
     training.bench_example(rows, size="small", options=options)
@@ -790,18 +799,11 @@ def test_grad_floor_probe_times_the_gemms_a_layers_gradient_needs_on_cpu(tmp_pat
 
 
 def test_mlp_rows_time_each_activation_interleaved(monkeypatch):
-    import warnings
+    from benchmarks import training
 
-    from benchmarks import forward, training
-
-    monkeypatch.setattr(forward, "SETTINGS", run.Settings(samples=2, min_calls=2, sample_s=0.0, warmup=1))
-    timed = []
-    real = forward.measure_interleaved
-    monkeypatch.setattr(forward, "measure_interleaved", lambda calls, s: timed.append(len(calls)) or real(calls, s))
+    timed = _count_interleaved(monkeypatch)
     rows = []
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # on a CPU "cublaslt" says it runs XLA's path
-        training.bench_mlp(rows, ("gelu", "relu"), shapes=[(24, 8)])
+    training.bench_mlp(rows, ("gelu", "relu"), shapes=[(24, 8)])
     assert timed == [len(training.MLP_CONTENDERS)] * 2
     assert [(r["shape"], r["activation"]) for r in rows] == [("24x8->32->8", "gelu"), ("24x8->32->8", "relu")]
     table = training.render(rows)
@@ -811,15 +813,11 @@ def test_mlp_rows_time_each_activation_interleaved(monkeypatch):
     ref = training.mlp_block("xla", "relu")(*args).astype(np.float32)
     assert not np.allclose(ref, training.mlp_block("xla", "gelu")(*args).astype(np.float32), atol=1e-2)
     for contender in training.MLP_CONTENDERS[1:]:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            got = training.mlp_block(contender, "relu")(*args).astype(np.float32)
+        got = training.mlp_block(contender, "relu")(*args).astype(np.float32)
         np.testing.assert_allclose(got, ref, rtol=2e-2, atol=2e-2)
 
 
 def test_mlp_layers_probe_times_each_layers_implementation_on_cpu(tmp_path, capsys):
-    import warnings
-
     from benchmarks import training
     from benchmarks.probes import mlp_layers
 
@@ -827,14 +825,10 @@ def test_mlp_layers_probe_times_each_layers_implementation_on_cpu(tmp_path, caps
     args = [jnp.asarray(a, jnp.float32) for a in training.mlp_inputs(m, d)]
     want = mlp_layers.grad_step("xla", "relu")(*args)
     for contender in mlp_layers.CONTENDERS[1:]:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # on a CPU "cublaslt" says it runs XLA's path
-            got = mlp_layers.grad_step(contender, "relu")(*args)
+        got = mlp_layers.grad_step(contender, "relu")(*args)
         for g, w in zip(got, want):
             np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4, err_msg=contender)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        mlp_layers.main(["--shape", "24", "8", "--activation", "relu", "gelu", "--out", str(tmp_path)])
+    mlp_layers.main(["--shape", "24", "8", "--activation", "relu", "gelu", "--out", str(tmp_path)])
     rows = json.loads((tmp_path / "mlp_layers.json").read_text())["rows"]
     assert [(r["shape"], r["activation"]) for r in rows] == [("24x8->32->8", "relu"), ("24x8->32->8", "gelu")]
     assert all(r[f"{c}_us"] > 0 for r in rows for c in mlp_layers.CONTENDERS)

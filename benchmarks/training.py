@@ -12,9 +12,10 @@ XLA's autodiff under ``jax.grad``) and as the plain jnp expression, with the met
 benchmarks.forward (median of 7 interleaved samples of back-to-back calls). TF/s counts
 three GEMMs: 6 * M * N * K flops per step.
 MLP rows time the same for a transformer MLP block ``act(x @ w1 + b1) @ w2 + b2`` (M×D →
-4D → D, bf16; ``act`` GELU, and ReLU with ``--mlp-activations gelu relu``) with ``loss = sum(y**2) / 2`` (so the output's cotangent is a real array, as in
-training): XLA's jit of the plain expression, two ``fused_dense`` calls ("auto") and
-``fused_mlp`` ("auto" and "cublaslt"), interleaved; TF/s counts 12 * M * D * 4D flops.
+4D → D, bf16; ``act`` GELU, and ReLU with ``--mlp-activations gelu relu``) with
+``loss = sum(y**2) / 2`` (so the output's cotangent is a real array, as in training):
+XLA's jit of the plain expression, two ``fused_dense`` calls ("auto") and ``fused_mlp``
+("auto" and "cublaslt"), interleaved; TF/s counts 12 * M * D * 4D flops.
 The example rows run ``examples/train_transformer_mlp.py --size large`` in this process
 (with its default ``--implementation auto``) and record its median step time (each step
 synchronised) for every layer type; the example trains the models one after another, so

@@ -84,7 +84,7 @@ def fused_mlp(
       ``fused_dense``'s "auto" forward to fuse it (M >= 1024 rows and M*N*K >= 2**33):
       it runs as ``"cublaslt"`` does, the fused kernel keeping its bit-mask for the
       backward (XLA's GEMMs and reduction from it). In a ReLU block's fwd+bwd that
-      measured 1.04-1.06x XLA's autodiff at 8192x1024->4096->1024 and 1.01-1.02x at
+      measured 1.04-1.06x XLA's autodiff at 8192x1024->4096->1024 and 1.00-1.02x at
       8192x4096->16384->4096 and 2048x1024->4096->1024 (H200, bf16; benchmarks/README.md,
       2026-12-04 (v)); a lone ``fused_dense`` whose output a loss reads keeps XLA's
       autodiff, where the same backward measured 0.92-1.02x.
@@ -125,7 +125,7 @@ def fused_mlp(
     # With "auto", the large layers (_auto_fuses) whose fused backward measured faster than
     # XLA's autodiff in a block: GELU layers (linked, above), and ReLU layers whose output a
     # GEMM reads: the next layer's. Their mask backward read 1.04-1.06x XLA's in a ReLU block
-    # at 8192x1024->4096->1024 and 1.01-1.02x at 8192x4096->16384->4096 and 2048 rows
+    # at 8192x1024->4096->1024 and 1.00-1.02x at 8192x4096->16384->4096 and 2048 rows
     # (benchmarks.probes.mlp_layers, benchmarks.training, 2026-12-04 (v)); where a loss reads
     # the layer directly it measured 0.92-1.02x, so fused_dense alone keeps XLA's autodiff.
     auto_fused = [

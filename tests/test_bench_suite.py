@@ -833,3 +833,22 @@ def test_mlp_layers_probe_times_each_layers_implementation_on_cpu(tmp_path, caps
     assert [(r["shape"], r["activation"]) for r in rows] == [("24x8->32->8", "relu"), ("24x8->32->8", "gelu")]
     assert all(r[f"{c}_us"] > 0 for r in rows for c in mlp_layers.CONTENDERS)
     assert "| XLA/auto | XLA/both | XLA/first | XLA/second |" in capsys.readouterr().out
+
+
+def test_mixed_block_probe_times_gelu_and_relu_layers_in_one_block_on_cpu(tmp_path, capsys):
+    from benchmarks.probes import mixed_block
+
+    m, d = (int(v) for v in np.random.default_rng().integers(9, 40, size=2))
+    args = [jnp.asarray(a, jnp.float32) for a in mixed_block.inputs(m, d)]
+    assert [a.shape for a in args] == [(m, d), (d, 4 * d), (4 * d,), (4 * d, 4 * d), (4 * d,), (4 * d, d), (d,)]
+    want = mixed_block.grad_step("xla")(*args)
+    assert all(float(jnp.max(jnp.abs(w))) > 0 for w in want)
+    for contender in mixed_block.CONTENDERS[1:]:
+        got = mixed_block.grad_step(contender)(*args)
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4, err_msg=contender)
+    mixed_block.main(["--shape", "24", "8", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "mixed_block.json").read_text())["rows"]
+    assert [r["shape"] for r in rows] == ["24x8->32->32->8"]
+    assert all(r[f"{c}_us"] > 0 for r in rows for c in mixed_block.CONTENDERS)
+    assert "| XLA/fused_dense | XLA/fused_mlp | XLA/fused_mlp_cublaslt |" in capsys.readouterr().out

@@ -1,0 +1,120 @@
+"""Probe: a block that mixes GELU and ReLU layers, fwd+bwd, against XLA.
+
+    python -m benchmarks.probes.mixed_block [--out DIR] [--shape M D ...]
+
+``fused_mlp``'s "auto" links a large GELU layer into the next layer's input-gradient GEMM
+(DGELU) and runs a large ReLU layer that feeds a layer as "cublaslt" (mask backward,
+2026-12-04 (v)). A block holding both takes the linked path with a ReLU layer in it, which
+benchmarks.training's two-layer rows never time. This probe times
+
+    relu(gelu(x @ w1 + b1) @ w2 + b2) @ w3 + b3        (widths D -> 4D -> 4D -> D, bf16)
+
+under ``jax.jit(jax.grad)`` in all seven arrays (loss ``sum(y**2) / 2``, as the MLP rows),
+median of interleaved samples of back-to-back calls, as:
+
+- ``xla``: the plain expression;
+- ``fused_dense``: three ``fused_dense`` calls as users write them ("auto");
+- ``fused_mlp``: ``fused_mlp`` with "auto" (linked from 8192 rows);
+- ``fused_mlp_cublaslt``: ``fused_mlp`` with "cublaslt".
+
+Results: DIR/mixed_block.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.forward import activation_fn, time_jax_interleaved, write_results
+from benchmarks.training import layer_inputs
+from jax_epilog import fused_dense, fused_mlp
+
+ACTIVATIONS = ("gelu", "relu", None)
+CONTENDERS = ("xla", "fused_dense", "fused_mlp", "fused_mlp_cublaslt")
+SHAPES = [(8192, 1024), (2048, 1024)]
+
+
+def inputs(m: int, d: int) -> tuple[jax.Array, ...]:
+    """(x, w1, b1, w2, b2, w3, b3) of the M×D -> 4D -> 4D -> D block."""
+    rng = np.random.default_rng(5)
+    widths = (d, 4 * d, 4 * d, d)
+    x, *_ = layer_inputs(m, d, 4 * d, rng)
+    params = []
+    for k, n in zip(widths[:-1], widths[1:]):
+        _, w, b = layer_inputs(1, k, n, rng)
+        params += [w, b]
+    return x, *params
+
+
+def block(contender: str):
+    """The block's forward as each contender writes it."""
+    if contender == "xla":
+
+        def f(x, *params):
+            for (w, b), act in zip(zip(params[::2], params[1::2]), ACTIVATIONS):
+                x = x @ w + b
+                x = activation_fn(act)(x) if act else x
+            return x
+
+        return f
+    if contender == "fused_dense":
+
+        def f(x, *params):
+            for (w, b), act in zip(zip(params[::2], params[1::2]), ACTIVATIONS):
+                x = fused_dense(x, w, b, activation=act)
+            return x
+
+        return f
+    impl = "cublaslt" if contender.endswith("cublaslt") else "auto"
+    return lambda x, *p: fused_mlp(x, list(zip(p[::2], p[1::2])), ACTIVATIONS, implementation=impl)
+
+
+def grad_step(contender: str):
+    f = block(contender)
+    loss = lambda *a: 0.5 * jnp.sum(jnp.square(f(*a).astype(jnp.float32)))
+    return jax.jit(jax.grad(loss, argnums=tuple(range(7))))
+
+
+def bench(shapes) -> list[dict]:
+    rows = []
+    for m, d in shapes:
+        args = inputs(m, d)
+        times = time_jax_interleaved(*[(grad_step(c), args) for c in CONTENDERS])
+        row = {"shape": f"{m}x{d}->{4 * d}->{4 * d}->{d}", "activations": "gelu, relu, none"}
+        row |= {"dtype": "bfloat16"} | {f"{c}_us": t for c, t in zip(CONTENDERS, times)}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def render(rows) -> str:
+    lines = [
+        "| M×D→4D→4D→D (bf16; gelu, relu, none) | " + " | ".join(f"{c} µs" for c in CONTENDERS)
+        + " | " + " | ".join(f"XLA/{c}" for c in CONTENDERS[1:]) + " |",
+        "|---|" + "---|" * (2 * len(CONTENDERS) - 1),
+    ]  # fmt: skip
+    for r in rows:
+        times = " | ".join(f"{r[c + '_us']:.1f}" for c in CONTENDERS)
+        ratios = " | ".join(f"{r['xla_us'] / r[c + '_us']:.2f}×" for c in CONTENDERS[1:])
+        lines.append(f"| {r['shape']} | {times} | {ratios} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", help="folder for mixed_block.json and mixed_block.md")
+    parser.add_argument("--shape", nargs=2, type=int, action="append", metavar=("M", "D"))
+    args = parser.parse_args(argv)
+    rows = bench([tuple(s) for s in args.shape] if args.shape else SHAPES)
+    table = render(rows)
+    if args.out:
+        write_results(args.out, "mixed_block", rows, table)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -14,7 +14,10 @@ calls) as:
 - ``auto``: two ``fused_dense`` calls as users write them (XLA's autodiff);
 - ``both``: both calls with ``implementation="cublaslt"``;
 - ``first``: the activation layer "cublaslt", the other "auto";
-- ``second``: the activation layer "auto", the other "cublaslt".
+- ``second``: the activation layer "auto", the other "cublaslt";
+- ``bgrada``: as ``auto``, but the second layer's kernel and bias gradients come from one
+  cuBLASLt GEMM with the BGRADA epilog (its forward and input gradient stay XLA's): does
+  ``second``'s gain come from that GEMM or from the fused forward?
 
 Results: DIR/mlp_layers.{json,md}.
 """
@@ -30,6 +33,8 @@ import jax.numpy as jnp
 from benchmarks.forward import time_jax_interleaved, write_results
 from benchmarks.training import mlp_inputs
 from jax_epilog import fused_dense
+from jax_epilog._epilogs import ComputeType
+from jax_epilog._primitive import fused_weight_grad
 
 IMPLEMENTATIONS = {  # contender -> (first layer's, second layer's implementation)
     "auto": ("auto", "auto"),
@@ -37,7 +42,7 @@ IMPLEMENTATIONS = {  # contender -> (first layer's, second layer's implementatio
     "first": ("cublaslt", "auto"),
     "second": ("auto", "cublaslt"),
 }
-CONTENDERS = ("xla", *IMPLEMENTATIONS)
+CONTENDERS = ("xla", *IMPLEMENTATIONS, "bgrada")
 SHAPES = [(8192, 1024), (8192, 4096), (2048, 1024)]
 
 
@@ -45,6 +50,8 @@ def block(contender: str, activation: str):
     if contender == "xla":
         act = {"relu": jax.nn.relu, "gelu": lambda z: jax.nn.gelu(z, approximate=True)}[activation]
         return lambda x, w1, b1, w2, b2: act(x @ w1 + b1) @ w2 + b2
+    if contender == "bgrada":
+        return lambda x, w1, b1, w2, b2: _bgrada_layer(fused_dense(x, w1, b1, activation=activation), w2, b2)
     first, second = IMPLEMENTATIONS[contender]
 
     def f(x, w1, b1, w2, b2):
@@ -52,6 +59,25 @@ def block(contender: str, activation: str):
         return fused_dense(h, w2, b2, implementation=second)
 
     return f
+
+
+@jax.custom_vjp
+def _bgrada_layer(h, w, b):
+    """``h @ w + b`` by XLA; under grad, (dw, db) from one BGRADA GEMM (XLA's dh)."""
+    return h @ w + b
+
+
+def _bgrada_fwd(h, w, b):
+    return h @ w + b, (h, w)
+
+
+def _bgrada_bwd(residuals, dy):
+    h, w = residuals
+    dw, db = fused_weight_grad(h, dy, compute_type=ComputeType.COMPUTE_32F, d_dtype=w.dtype)
+    return dy @ w.T, dw, db
+
+
+_bgrada_layer.defvjp(_bgrada_fwd, _bgrada_bwd)
 
 
 def grad_step(contender: str, activation: str):

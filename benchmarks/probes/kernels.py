@@ -22,7 +22,8 @@ XLA's plain expression, ``fused_dense(implementation="cublaslt")`` and the fused
 XLA's backward (benchmarks.backward_variants), and the first two at benchmarks.training's
 other fwd+bwd shapes ("grad-ACT-NAME-MxKxN"); 16-layer chains at 256x1024->1024 with the
 weights stacked or per layer (benchmarks.chain_layout), fused and XLA; the MLP block of
-``benchmarks.training --part mlp`` at 8192 and 2048 rows, XLA and ``fused_mlp`` linked. Writes
+``benchmarks.training --part mlp`` at 8192 and 2048 rows, XLA and ``fused_mlp`` linked; the
+block of ``benchmarks.probes.mlp_layers`` at 1024x1024->4096->1024 (XLA, "both", "second"). Writes
 kernels.json, kernels.md, the raw traces (traces/) and each jitted program's optimized HLO
 (hlo/, where XLA's cuBLAS calls name the algorithm its autotuner chose) into OUT_DIR.
 """
@@ -132,6 +133,13 @@ def _mlp_case(rows: int, contender: str):
     return mlp_grad_step(contender), mlp_inputs(rows, 1024)
 
 
+def _layers_case(activation: str, contender: str, rows: int = 1024):
+    """benchmarks.probes.mlp_layers' block fwd+bwd at ROWSx1024->4096->1024 (D = 1024)."""
+    from benchmarks.probes import mlp_layers
+
+    return mlp_layers.grad_step(contender, activation), mlp_inputs(rows, 1024)
+
+
 def cases() -> dict:
     out = {}
     for act in ("relu", "gelu"):
@@ -146,6 +154,9 @@ def cases() -> dict:
     for rows in (8192, 2048):  # where fused_mlp's DGELU link measured faster, and slower
         for contender in ("xla", "fused_mlp_cublaslt"):
             out[f"mlp-{rows}-{contender}"] = ("grad", partial(_mlp_case, rows, contender))
+    for act in ("relu", "gelu"):  # mid-size blocks, where every layer "cublaslt" read 1.09-1.19x
+        for contender in ("xla", "both", "second"):
+            out[f"layers-{act}-1024-{contender}"] = ("grad", partial(_layers_case, act, contender))
     for act in ("relu", "gelu"):
         for name in ("xla", "cublaslt", "aux+xla"):
             out[f"grad-{act}-{name}"] = ("grad", partial(_grad_case, act, name))

@@ -45,6 +45,14 @@ _OWNER = "fused_mlp"
 # 0.90-0.96x at 2048, 1000, 512 and 256 rows (benchmarks/README.md, H200, bf16); below it
 # "auto" is the stack of fused_dense calls, which is XLA's expression at those sizes.
 _AUTO_LINK_MIN_ROWS = 8192
+# "auto" runs every layer of a bfloat16 block on 512 to 1024 rows as "cublaslt" (the stack
+# of fused_dense calls, unlinked). There XLA compiles the forward GEMMs with their bias and
+# activation into Triton kernels that took 21-26 µs where cuBLASLt's epilog kernels took
+# 14-17 (CUPTI, 1024x1024->4096->1024), and the block's fwd+bwd measured 1.05-1.19x XLA
+# (ReLU, four processes) and 1.02-1.17x (GELU, two) at 512x1024, 512x2048, 1000x1024 and
+# 1024x1024; at 2048 rows 0.98-1.01x, at 256 and fewer within the noise of a same-program
+# pair (H200; benchmarks/README.md, 2026-12-04 (w)).
+_AUTO_STACK_ROWS = (512, 1024)
 
 
 def fused_mlp(
@@ -71,8 +79,9 @@ def fused_mlp(
       (..., N_last) array in ``x``'s dtype.
 
     The value equals stacking ``fused_dense`` calls with the same arguments, and so does
-    the gradient, except in two places where this function sees what ``fused_dense``
-    cannot, that a layer's output feeds another layer's GEMM:
+    the gradient, except in three places where this function sees what ``fused_dense``
+    cannot: that a layer's output feeds another layer's GEMM (the first two), and that
+    the layers run together in one program (the third):
 
     - A GELU layer feeding another layer, with ``"cublaslt"``, or with ``"auto"`` on 8192
       rows or more (where it measured faster than XLA; fewer rows measured 0.90-0.96x):
@@ -88,6 +97,11 @@ def fused_mlp(
       8192x4096->16384->4096 and 2048x1024->4096->1024 (H200, bf16; benchmarks/README.md,
       2026-12-04 (v)); a lone ``fused_dense`` whose output a loss reads keeps XLA's
       autodiff, where the same backward measured 0.92-1.02x.
+    - Any block of two or more bfloat16 layers on 512 to 1024 rows, with ``"auto"``: every
+      layer runs as ``"cublaslt"`` (forward and backward), where XLA's own GEMMs measured
+      slower: the block's fwd+bwd read 1.05-1.19x XLA's (ReLU) and 1.02-1.17x (GELU) at
+      512-1024 rows and D = 1024, 2048 (H200; benchmarks/README.md, 2026-12-04 (w)).
+      Float16 and float32 blocks were not measured there and keep ``fused_dense``'s rule.
 
     In a linked block (the first case) forward passes follow ``fused_dense``'s rule per
     layer, except that with ``"auto"`` a ReLU layer that is the last one, or too small,
@@ -99,8 +113,8 @@ def fused_mlp(
 
     Without a link (no GELU layer before the last one, ``"xla"``, float64, or ``"auto"``
     on fewer rows) ``fused_mlp`` is the stack of ``fused_dense`` calls, each with
-    ``implementation``, except the ReLU layers of the second case (forward mode then works
-    where ``fused_dense``'s does). With a link it is a ``jax.custom_vjp``: reverse mode
+    ``implementation``, except the ReLU layers of the second case and the blocks of the
+    third (forward mode then works where ``fused_dense``'s does). With a link it is a ``jax.custom_vjp``: reverse mode
     only.
     Raises TypeError/ValueError at trace time, naming the layer, for anything
     ``fused_dense`` would refuse and for ``layers``/``activations`` that do not pair up.
@@ -135,10 +149,14 @@ def fused_mlp(
         and _auto_fuses(act, m, ks[i + 1], ks[i])
         for i, (act, _, _) in enumerate(checked)
     ]
+    auto_stack = (
+        impl == "auto" and dtype == "bfloat16" and len(layers) > 1
+        and _AUTO_STACK_ROWS[0] <= m <= _AUTO_STACK_ROWS[1]
+    )  # fmt: skip
     if dtype == "float64" or not link:
         h = x
         for (kernel, bias), (act, _, _), fused in zip(layers, checked, auto_fused):
-            layer_impl = "cublaslt" if fused and act is Activation.RELU else impl
+            layer_impl = "cublaslt" if auto_stack or (fused and act is Activation.RELU) else impl
             h = fused_dense(
                 h, kernel, bias, activation=act, compute_type=compute_type, implementation=layer_impl
             )

@@ -228,7 +228,7 @@ def test_auto_link_fuses_large_gelu_layers_and_relu_layers_feeding_a_layer():
         (8192, (4096, 1024, 1024), ("relu", "relu", None), 2),
         (2048, (4096, 1024), ("relu", None), 1),  # M*N*K = 2**33: large enough
         (8192, (1024, 4096), (None, "relu"), 0),  # a last ReLU layer: XLA's autodiff
-        (512, (4096, 1024), ("relu", None), 0),  # too few rows for the fused forward
+        (256, (4096, 1024), ("relu", None), 0),  # too few rows for the fused forward
         (8192, (4096, 1024), ("gelu", None), None),  # GELU links instead (DGELU)
     ],
 )
@@ -268,6 +268,58 @@ def test_auto_relu_layers_feeding_a_layer_match_float64_reference_vjp(
     ops = _ops(jax.grad(lambda x, layers: jnp.sum(f(x, layers))), *_as_jnp(x, layers))
     assert ops.count("jax_epilog_fused_matmul") == 2  # both layers with an activation
     _assert_grads_match_reference(f, x, layers, dy, activations, TOL[dtype])
+
+
+@pytest.mark.parametrize(
+    "rows,dtype,activations,stacked",
+    [
+        (512, "bfloat16", ("relu", None), True),
+        (1000, "bfloat16", ("gelu", None), True),  # a GELU feeding a layer: no link here
+        (1024, "bfloat16", ("gelu", "relu", None), True),
+        (511, "bfloat16", ("relu", None), False),
+        (1025, "bfloat16", ("gelu", None), False),
+        (1000, "float16", ("relu", None), False),  # not measured: fused_dense's rule
+        (1000, "float32", ("gelu", None), False),
+        (1000, "bfloat16", ("relu",), False),  # one layer is fused_dense's call
+    ],
+)
+def test_auto_runs_every_layer_of_a_mid_size_bfloat16_block_as_cublaslt(rows, dtype, activations, stacked):
+    """With "auto" a bfloat16 block on 512-1024 rows is the stack of "cublaslt" calls
+    (measured faster than XLA there); elsewhere at these sizes it is XLA's autodiff."""
+    sds = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
+    dims = [1024, *(4096 if i % 2 == 0 else 1024 for i in range(len(activations)))]
+    x, layers = sds(rows, 1024), [(sds(k, n), sds(n)) for k, n in itertools.pairwise(dims)]
+    mlp = functools.partial(fused_mlp, activations=activations)
+    grad = jax.grad(lambda x, layers: jnp.sum(mlp(x, layers).astype(jnp.float32)), argnums=(0, 1))
+    ops = _ops(grad, x, layers)
+    assert ops.count("jax_epilog_fused_matmul") == (len(activations) if stacked else 0)
+    assert "jax_epilog_fused_gelu_input_grad" not in ops
+    # the stack's kernel and bias gradients are "cublaslt"'s: BGRADA except for ReLU layers
+    bgrada = sum(act != "relu" for act in activations) if stacked else 0
+    assert ops.count("jax_epilog_fused_weight_grad") == bgrada
+
+
+@pytest.mark.parametrize("activations", [("gelu", "relu", None), ("relu", None)])
+def test_auto_mid_size_block_is_the_stack_of_cublaslt_calls(rng, activations):
+    """Its values and gradients are those of fused_dense(implementation="cublaslt") calls,
+    and match the float64 reference (600 rows: in the rule's range, no multiple of 16)."""
+    x_np, layers_np = draw(rng, (2, 300, 12), (21, 6, 9)[-len(activations) :], "bfloat16", activations)
+    x, layers = _as_jnp(x_np, layers_np)
+
+    def stacked(x, layers):
+        for (w, b), act in zip(layers, activations):
+            x = fused_dense(x, w, b, activation=act, implementation="cublaslt")
+        return x
+
+    mlp = jax.jit(functools.partial(fused_mlp, activations=activations))
+    dy = rng.standard_normal((2, 300, layers[-1][0].shape[1])).astype(np_dtype("bfloat16"))
+    got_y, got_vjp = jax.vjp(mlp, x, layers)
+    want_y, want_vjp = jax.vjp(jax.jit(stacked), x, layers)
+    as32 = lambda tree: [np.asarray(a, np.float32) for a in jax.tree.leaves(tree)]
+    np.testing.assert_array_equal(as32(got_y), as32(want_y))
+    for got, want in zip(as32(got_vjp(jnp.asarray(dy))), as32(want_vjp(jnp.asarray(dy))), strict=True):
+        np.testing.assert_array_equal(got, want)
+    _assert_grads_match_reference(mlp, x_np, layers_np, dy, activations, TOL["bfloat16"])
 
 
 def test_without_a_gelu_feeding_a_layer_it_is_the_stack_of_fused_dense_calls(rng):

@@ -1,6 +1,7 @@
 """Probe: in an MLP block's fwd+bwd, which layer's cuBLASLt backward gains over XLA?
 
     python -m benchmarks.probes.mlp_layers [--out DIR] [--shape M D ...] [--activation relu gelu]
+                                           [--forward]
 
 benchmarks.training's MLP rows (2026-12-04 (v)) read ``fused_mlp(implementation="cublaslt")``
 ahead of XLA on ReLU blocks (1.01-1.16x) where "auto", XLA's autodiff, reads 1.00x. With
@@ -19,6 +20,7 @@ calls) as:
   cuBLASLt GEMM with the BGRADA epilog (its forward and input gradient stay XLA's): does
   ``second``'s gain come from that GEMM or from the fused forward?
 
+With ``--forward`` the same contenders time the block's forward alone (``jax.jit`` of it).
 Results: DIR/mlp_layers.{json,md}.
 """
 
@@ -86,13 +88,15 @@ def grad_step(contender: str, activation: str):
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
 
 
-def bench(shapes, activations) -> list[dict]:
+def bench(shapes, activations, forward: bool = False) -> list[dict]:
     rows = []
+    step = (lambda c, a: jax.jit(block(c, a))) if forward else grad_step
     for activation in activations:
         for m, d in shapes:
             args = mlp_inputs(m, d)
-            times = time_jax_interleaved(*[(grad_step(c, activation), args) for c in CONTENDERS])
+            times = time_jax_interleaved(*[(step(c, activation), args) for c in CONTENDERS])
             row = {"shape": f"{m}x{d}->{4 * d}->{d}", "activation": activation, "dtype": "bfloat16"}
+            row["mode"] = "forward" if forward else "fwd+bwd"
             row |= {f"{c}_us": t for c, t in zip(CONTENDERS, times)}
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -108,7 +112,7 @@ def render(rows) -> str:
     for r in rows:
         times = " | ".join(f"{r[c + '_us']:.1f}" for c in CONTENDERS)
         ratios = " | ".join(f"{r['xla_us'] / r[c + '_us']:.2f}×" for c in CONTENDERS[1:])
-        lines.append(f"| {r['shape']} | {r['activation']} | {times} | {ratios} |")
+        lines.append(f"| {r['shape']} ({r['mode']}) | {r['activation']} | {times} | {ratios} |")
     return "\n".join(lines) + "\n"
 
 
@@ -119,8 +123,9 @@ def main(argv=None):
     parser.add_argument("--out", help="folder for mlp_layers.json and mlp_layers.md")
     parser.add_argument("--shape", nargs=2, type=int, action="append", metavar=("M", "D"))
     parser.add_argument("--activation", nargs="+", choices=("relu", "gelu"), default=["relu"])
+    parser.add_argument("--forward", action="store_true", help="time the block's forward alone")
     args = parser.parse_args(argv)
-    rows = bench([tuple(s) for s in args.shape] if args.shape else SHAPES, args.activation)
+    rows = bench([tuple(s) for s in args.shape] if args.shape else SHAPES, args.activation, args.forward)
     table = render(rows)
     if args.out:
         write_results(args.out, "mlp_layers", rows, table)

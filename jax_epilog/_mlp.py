@@ -43,15 +43,17 @@ _OWNER = "fused_mlp"
 # "auto" links layers (DGELU) from this many rows: an MLP block's fwd+bwd measured 1.06-1.09x
 # XLA at 8192x1024->4096->1024 (five runs) and 0.99-1.00x at 8192x4096->16384->4096, but
 # 0.90-0.96x at 2048, 1000, 512 and 256 rows (benchmarks/README.md, H200, bf16); below it
-# "auto" is the stack of fused_dense calls, which is XLA's expression at those sizes.
+# "auto" is the stack of fused_dense calls: XLA's expression at those sizes, except on the
+# rows of _AUTO_STACK_ROWS.
 _AUTO_LINK_MIN_ROWS = 8192
 # "auto" runs every layer of a bfloat16 block on 512 to 1024 rows as "cublaslt" (the stack
-# of fused_dense calls, unlinked). There XLA compiles the forward GEMMs with their bias and
-# activation into Triton kernels that took 21-26 µs where cuBLASLt's epilog kernels took
-# 14-17 (CUPTI, 1024x1024->4096->1024), and the block's fwd+bwd measured 1.05-1.19x XLA
+# of fused_dense calls, unlinked). There XLA's forward is the slower (CUPTI,
+# 1024x1024->4096->1024): its Triton GEMMs with bias and ReLU took 25.6 and 21.0 µs where
+# cuBLASLt's epilog kernels took 16.8 and 14.2; for GELU its GEMM and GELU pass took 17.3 +
+# 8.3 µs against the epilog kernel's 19.4. The block's fwd+bwd measured 1.05-1.19x XLA
 # (ReLU, four processes) and 1.02-1.17x (GELU, two) at 512x1024, 512x2048, 1000x1024 and
-# 1024x1024; at 2048 rows 0.98-1.01x, at 256 and fewer within the noise of a same-program
-# pair (H200; benchmarks/README.md, 2026-12-04 (w)).
+# 1024x1024; at 2048 rows 0.98-1.01x; at 256 rows 1.00-1.09x, and below that XLA's program
+# against itself scattered by up to 42% (H200; benchmarks/README.md, 2026-12-04 (w)).
 _AUTO_STACK_ROWS = (512, 1024)
 
 
@@ -98,8 +100,8 @@ def fused_mlp(
       2026-12-04 (v)); a lone ``fused_dense`` whose output a loss reads keeps XLA's
       autodiff, where the same backward measured 0.92-1.02x.
     - Any block of two or more bfloat16 layers on 512 to 1024 rows, with ``"auto"``: every
-      layer runs as ``"cublaslt"`` (forward and backward), where XLA's own GEMMs measured
-      slower: the block's fwd+bwd read 1.05-1.19x XLA's (ReLU) and 1.02-1.17x (GELU) at
+      layer runs as ``"cublaslt"`` (forward and backward), where XLA's forward measured
+      the slower (its Triton GEMMs, a separate GELU pass): the block's fwd+bwd read 1.05-1.19x XLA's (ReLU) and 1.02-1.17x (GELU) at
       512-1024 rows and D = 1024, 2048 (H200; benchmarks/README.md, 2026-12-04 (w)).
       Float16 and float32 blocks were not measured there and keep ``fused_dense``'s rule.
 

@@ -23,6 +23,7 @@ Results: DIR/mixed_block.{json,md}.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 
 import jax
@@ -44,33 +45,32 @@ def inputs(m: int, d: int) -> tuple[jax.Array, ...]:
     widths = (d, 4 * d, 4 * d, d)
     x, *_ = layer_inputs(m, d, 4 * d, rng)
     params = []
-    for k, n in zip(widths[:-1], widths[1:]):
+    for k, n in itertools.pairwise(widths):
         _, w, b = layer_inputs(1, k, n, rng)
         params += [w, b]
     return x, *params
 
 
+def _pairs(params) -> list[tuple[jax.Array, jax.Array]]:
+    return list(zip(params[::2], params[1::2]))
+
+
 def block(contender: str):
     """The block's forward as each contender writes it."""
-    if contender == "xla":
+    if contender in ("xla", "fused_dense"):
+        layer = {
+            "xla": lambda x, w, b, act: activation_fn(act)(x @ w + b) if act else x @ w + b,
+            "fused_dense": lambda x, w, b, act: fused_dense(x, w, b, activation=act),
+        }[contender]
 
         def f(x, *params):
-            for (w, b), act in zip(zip(params[::2], params[1::2]), ACTIVATIONS):
-                x = x @ w + b
-                x = activation_fn(act)(x) if act else x
-            return x
-
-        return f
-    if contender == "fused_dense":
-
-        def f(x, *params):
-            for (w, b), act in zip(zip(params[::2], params[1::2]), ACTIVATIONS):
-                x = fused_dense(x, w, b, activation=act)
+            for (w, b), act in zip(_pairs(params), ACTIVATIONS):
+                x = layer(x, w, b, act)
             return x
 
         return f
     impl = "cublaslt" if contender.endswith("cublaslt") else "auto"
-    return lambda x, *p: fused_mlp(x, list(zip(p[::2], p[1::2])), ACTIVATIONS, implementation=impl)
+    return lambda x, *params: fused_mlp(x, _pairs(params), ACTIVATIONS, implementation=impl)
 
 
 def grad_step(contender: str):
@@ -105,7 +105,9 @@ def render(rows) -> str:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", help="folder for mixed_block.json and mixed_block.md")
     parser.add_argument("--shape", nargs=2, type=int, action="append", metavar=("M", "D"))
     args = parser.parse_args(argv)

@@ -101,9 +101,10 @@ def fused_mlp(
       autodiff, where the same backward measured 0.92-1.02x.
     - Any block of two or more bfloat16 layers on 512 to 1024 rows, with ``"auto"``: every
       layer runs as ``"cublaslt"`` (forward and backward), where XLA's forward measured
-      the slower (its Triton GEMMs, a separate GELU pass): the block's fwd+bwd read 1.05-1.19x XLA's (ReLU) and 1.02-1.17x (GELU) at
-      512-1024 rows and D = 1024, 2048 (H200; benchmarks/README.md, 2026-12-04 (w)).
-      Float16 and float32 blocks were not measured there and keep ``fused_dense``'s rule.
+      the slower (its Triton GEMMs, a separate GELU pass): the block's fwd+bwd read
+      1.05-1.19x XLA's (ReLU) and 1.02-1.17x (GELU) at 512-1024 rows and D = 1024, 2048
+      (H200; benchmarks/README.md, 2026-12-04 (w)). Float16 and float32 blocks were not
+      measured there and keep ``fused_dense``'s rule.
 
     In a linked block (the first case) forward passes follow ``fused_dense``'s rule per
     layer, except that with ``"auto"`` a ReLU layer that is the last one, or too small,
@@ -116,8 +117,8 @@ def fused_mlp(
     Without a link (no GELU layer before the last one, ``"xla"``, float64, or ``"auto"``
     on fewer rows) ``fused_mlp`` is the stack of ``fused_dense`` calls, each with
     ``implementation``, except the ReLU layers of the second case and the blocks of the
-    third (forward mode then works where ``fused_dense``'s does). With a link it is a ``jax.custom_vjp``: reverse mode
-    only.
+    third (forward mode then works where ``fused_dense``'s does). With a link it is a
+    ``jax.custom_vjp``: reverse mode only.
     Raises TypeError/ValueError at trace time, naming the layer, for anything
     ``fused_dense`` would refuse and for ``layers``/``activations`` that do not pair up.
     """

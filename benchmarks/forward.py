@@ -309,6 +309,19 @@ def versions() -> dict:
     return info
 
 
+def ratio_table(rows: list[dict], contenders, columns: dict) -> str:
+    """A Markdown table: the leading ``columns`` ({header: row -> cell}), each contender's
+    µs (``row[c + "_us"]``), then the first contender's time over each other's (XLA / c)."""
+    first = contenders[0]
+    head = [*columns, *(f"{c} µs" for c in contenders), *(f"XLA/{c}" for c in contenders[1:])]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [cell(r) for cell in columns.values()] + [f"{r[c + '_us']:.1f}" for c in contenders]
+        cells += [f"{r[first + '_us'] / r[c + '_us']:.2f}×" for c in contenders[1:]]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def write_results(out: str, stem: str, rows: list[dict], table: str) -> None:
     """OUT/STEM.json (``versions()`` and ``rows``) and OUT/STEM.md (``table``)."""
     os.makedirs(out, exist_ok=True)

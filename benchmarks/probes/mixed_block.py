@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.forward import activation_fn, time_jax_interleaved, write_results
+from benchmarks.forward import activation_fn, ratio_table, time_jax_interleaved, write_results
 from benchmarks.training import layer_inputs
 from jax_epilog import fused_dense, fused_mlp
 
@@ -92,16 +92,7 @@ def bench(shapes) -> list[dict]:
 
 
 def render(rows) -> str:
-    lines = [
-        "| M×D→4D→4D→D (bf16; gelu, relu, none) | " + " | ".join(f"{c} µs" for c in CONTENDERS)
-        + " | " + " | ".join(f"XLA/{c}" for c in CONTENDERS[1:]) + " |",
-        "|---|" + "---|" * (2 * len(CONTENDERS) - 1),
-    ]  # fmt: skip
-    for r in rows:
-        times = " | ".join(f"{r[c + '_us']:.1f}" for c in CONTENDERS)
-        ratios = " | ".join(f"{r['xla_us'] / r[c + '_us']:.2f}×" for c in CONTENDERS[1:])
-        lines.append(f"| {r['shape']} | {times} | {ratios} |")
-    return "\n".join(lines) + "\n"
+    return ratio_table(rows, CONTENDERS, {"M×D→4D→4D→D (bf16; gelu, relu, none)": lambda r: r["shape"]})
 
 
 def main(argv=None):

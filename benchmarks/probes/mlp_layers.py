@@ -32,7 +32,7 @@ import json
 import jax
 import jax.numpy as jnp
 
-from benchmarks.forward import time_jax_interleaved, write_results
+from benchmarks.forward import ratio_table, time_jax_interleaved, write_results
 from benchmarks.training import mlp_inputs
 from jax_epilog import fused_dense
 from jax_epilog._epilogs import ComputeType
@@ -104,16 +104,11 @@ def bench(shapes, activations, forward: bool = False) -> list[dict]:
 
 
 def render(rows) -> str:
-    lines = [
-        "| M×D→4D→D (bf16) | act | " + " | ".join(f"{c} µs" for c in CONTENDERS) + " | "
-        + " | ".join(f"XLA/{c}" for c in CONTENDERS[1:]) + " |",
-        "|---|---|" + "---|" * (2 * len(CONTENDERS) - 1),
-    ]  # fmt: skip
-    for r in rows:
-        times = " | ".join(f"{r[c + '_us']:.1f}" for c in CONTENDERS)
-        ratios = " | ".join(f"{r['xla_us'] / r[c + '_us']:.2f}×" for c in CONTENDERS[1:])
-        lines.append(f"| {r['shape']} ({r['mode']}) | {r['activation']} | {times} | {ratios} |")
-    return "\n".join(lines) + "\n"
+    columns = {
+        "M×D→4D→D (bf16)": lambda r: f"{r['shape']} ({r['mode']})",
+        "act": lambda r: r["activation"],
+    }
+    return ratio_table(rows, CONTENDERS, columns)
 
 
 def main(argv=None):

@@ -15,6 +15,7 @@ benchmarks/results/*/dgrad.md), so ReLU links and every bias gradient stay with 
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -52,9 +53,12 @@ _AUTO_LINK_MIN_ROWS = 8192
 # cuBLASLt's epilog kernels took 16.8 and 14.2; for GELU its GEMM and GELU pass took 17.3 +
 # 8.3 µs against the epilog kernel's 19.4. The block's fwd+bwd measured 1.05-1.19x XLA
 # (ReLU, four processes) and 1.02-1.17x (GELU, two) at 512x1024, 512x2048, 1000x1024 and
-# 1024x1024; at 2048 rows 0.98-1.01x; at 256 rows 1.00-1.09x, and below that XLA's program
-# against itself scattered by up to 42% (H200; benchmarks/README.md, 2026-12-04 (w)).
+# 1024x1024 (and 1.08-1.12x at 1000x768, one process); at 2048 rows 0.98-1.01x; at 256 rows
+# 1.00-1.09x, and below that XLA's program against itself scattered by up to 42%. Blocks
+# this small read 0.92x (ReLU) at 512x512 and 1.00-1.03x at 1024x512, so the rule also
+# asks that some layer have M*N*K >= 2**31 (H200; benchmarks/README.md, 2026-12-04 (w)).
 _AUTO_STACK_ROWS = (512, 1024)
+_AUTO_STACK_MIN_MNK = 2**31
 
 
 def fused_mlp(
@@ -99,12 +103,12 @@ def fused_mlp(
       8192x4096->16384->4096 and 2048x1024->4096->1024 (H200, bf16; benchmarks/README.md,
       2026-12-04 (v)); a lone ``fused_dense`` whose output a loss reads keeps XLA's
       autodiff, where the same backward measured 0.92-1.02x.
-    - Any block of two or more bfloat16 layers on 512 to 1024 rows, with ``"auto"``: every
-      layer runs as ``"cublaslt"`` (forward and backward), where XLA's forward measured
-      the slower (its Triton GEMMs, a separate GELU pass): the block's fwd+bwd read
-      1.05-1.19x XLA's (ReLU) and 1.02-1.17x (GELU) at 512-1024 rows and D = 1024, 2048
-      (H200; benchmarks/README.md, 2026-12-04 (w)). Float16 and float32 blocks were not
-      measured there and keep ``fused_dense``'s rule.
+    - A block of two or more bfloat16 layers on 512 to 1024 rows, one of them with
+      M*N*K >= 2**31, with ``"auto"``: every layer runs as ``"cublaslt"`` (forward and
+      backward), where XLA's forward measured the slower (its Triton GEMMs, a separate
+      GELU pass): the block's fwd+bwd read 1.05-1.19x XLA's (ReLU) and 1.02-1.17x (GELU) at
+      512-1024 rows and D = 768, 1024, 2048 (H200; benchmarks/README.md, 2026-12-04 (w)).
+      Float16 and float32 blocks were not measured there and keep ``fused_dense``'s rule.
 
     In a linked block (the first case) forward passes follow ``fused_dense``'s rule per
     layer, except that with ``"auto"`` a ReLU layer that is the last one, or too small,
@@ -155,6 +159,7 @@ def fused_mlp(
     auto_stack = (
         impl == "auto" and dtype == "bfloat16" and len(layers) > 1
         and _AUTO_STACK_ROWS[0] <= m <= _AUTO_STACK_ROWS[1]
+        and max(m * k * n for k, n in itertools.pairwise(ks)) >= _AUTO_STACK_MIN_MNK
     )  # fmt: skip
     if dtype == "float64" or not link:
         h = x

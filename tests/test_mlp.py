@@ -271,24 +271,27 @@ def test_auto_relu_layers_feeding_a_layer_match_float64_reference_vjp(
 
 
 @pytest.mark.parametrize(
-    "rows,dtype,activations,stacked",
+    "rows,d,dtype,activations,stacked",
     [
-        (512, "bfloat16", ("relu", None), True),
-        (1000, "bfloat16", ("gelu", None), True),  # a GELU feeding a layer: no link here
-        (1024, "bfloat16", ("gelu", "relu", None), True),
-        (511, "bfloat16", ("relu", None), False),
-        (1025, "bfloat16", ("gelu", None), False),
-        (1000, "float16", ("relu", None), False),  # not measured: fused_dense's rule
-        (1000, "float32", ("gelu", None), False),
-        (1000, "bfloat16", ("relu",), False),  # one layer is fused_dense's call
+        (512, 1024, "bfloat16", ("relu", None), True),
+        (1000, 768, "bfloat16", ("gelu", None), True),  # a GELU feeding a layer: no link here
+        (1024, 1024, "bfloat16", ("gelu", "relu", None), True),
+        (511, 1024, "bfloat16", ("relu", None), False),
+        (1025, 1024, "bfloat16", ("gelu", None), False),
+        (512, 512, "bfloat16", ("relu", None), False),  # M*N*K = 2**29: too small
+        (1024, 512, "bfloat16", ("relu", None), False),  # 2**30
+        (1000, 1024, "float16", ("relu", None), False),  # not measured: fused_dense's rule
+        (1000, 1024, "float32", ("gelu", None), False),
+        (1000, 1024, "bfloat16", ("relu",), False),  # one layer is fused_dense's call
     ],
 )
-def test_auto_runs_every_layer_of_a_mid_size_bfloat16_block_as_cublaslt(rows, dtype, activations, stacked):
-    """With "auto" a bfloat16 block on 512-1024 rows is the stack of "cublaslt" calls
-    (measured faster than XLA there); elsewhere at these sizes it is XLA's autodiff."""
+def test_auto_runs_every_layer_of_a_mid_size_bfloat16_block_as_cublaslt(rows, d, dtype, activations, stacked):
+    """With "auto" a bfloat16 block on 512-1024 rows with a layer of M*N*K >= 2**31 is the
+    stack of "cublaslt" calls (measured faster than XLA there); elsewhere at these sizes it
+    is XLA's autodiff."""
     sds = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
-    dims = [1024, *(4096 if i % 2 == 0 else 1024 for i in range(len(activations)))]
-    x, layers = sds(rows, 1024), [(sds(k, n), sds(n)) for k, n in itertools.pairwise(dims)]
+    dims = [d, *(4 * d if i % 2 == 0 else d for i in range(len(activations)))]
+    x, layers = sds(rows, d), [(sds(k, n), sds(n)) for k, n in itertools.pairwise(dims)]
     mlp = functools.partial(fused_mlp, activations=activations)
     grad = jax.grad(lambda x, layers: jnp.sum(mlp(x, layers).astype(jnp.float32)), argnums=(0, 1))
     ops = _ops(grad, x, layers)
@@ -300,11 +303,15 @@ def test_auto_runs_every_layer_of_a_mid_size_bfloat16_block_as_cublaslt(rows, dt
 
 
 @pytest.mark.parametrize("activations", [("gelu", "relu", None), ("relu", None)])
-def test_auto_mid_size_block_is_the_stack_of_cublaslt_calls(rng, activations):
+def test_auto_mid_size_block_is_the_stack_of_cublaslt_calls(rng, monkeypatch, activations):
     """Its values and gradients are those of fused_dense(implementation="cublaslt") calls,
-    and match the float64 reference (600 rows: in the rule's range, no multiple of 16)."""
+    and match the float64 reference (600 rows: in the rule's range, no multiple of 16;
+    small layers, with the rule's size floor lowered)."""
+    monkeypatch.setattr(mlp_module, "_AUTO_STACK_MIN_MNK", 1)
     x_np, layers_np = draw(rng, (2, 300, 12), (21, 6, 9)[-len(activations) :], "bfloat16", activations)
     x, layers = _as_jnp(x_np, layers_np)
+    mlp_ops = _ops(functools.partial(fused_mlp, activations=activations), x, layers)
+    assert mlp_ops.count("jax_epilog_fused_matmul") == len(activations)
 
     def stacked(x, layers):
         for (w, b), act in zip(layers, activations):

@@ -59,7 +59,7 @@ def block(contender: str):
     """The block's forward as each contender writes it."""
     if contender in ("xla", "fused_dense"):
         layer = {
-            "xla": lambda x, w, b, act: activation_fn(act)(x @ w + b) if act else x @ w + b,
+            "xla": lambda x, w, b, act: activation_fn(act)(x @ w + b),
             "fused_dense": lambda x, w, b, act: fused_dense(x, w, b, activation=act),
         }[contender]
 

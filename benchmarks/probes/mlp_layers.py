@@ -32,7 +32,7 @@ import json
 import jax
 import jax.numpy as jnp
 
-from benchmarks.forward import ratio_table, time_jax_interleaved, write_results
+from benchmarks.forward import activation_fn, ratio_table, time_jax_interleaved, write_results
 from benchmarks.training import mlp_inputs
 from jax_epilog import fused_dense
 from jax_epilog._epilogs import ComputeType
@@ -50,7 +50,7 @@ SHAPES = [(8192, 1024), (8192, 4096), (2048, 1024)]
 
 def block(contender: str, activation: str):
     if contender == "xla":
-        act = {"relu": jax.nn.relu, "gelu": lambda z: jax.nn.gelu(z, approximate=True)}[activation]
+        act = activation_fn(activation)
         return lambda x, w1, b1, w2, b2: act(x @ w1 + b1) @ w2 + b2
     if contender == "bgrada":
         return lambda x, w1, b1, w2, b2: _bgrada_layer(fused_dense(x, w1, b1, activation=activation), w2, b2)

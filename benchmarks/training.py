@@ -50,11 +50,11 @@ MLP_CONTENDERS = ("xla", "fused_dense", "fused_mlp", "fused_mlp_cublaslt")
 GRAD_CONTENDERS = ("fused", "auto", "xla")
 
 
-def layer_inputs(m: int, k: int, n: int, rng: np.random.Generator):
-    """bf16 x ~ N(0, 1) of shape (m, k), kernel ~ N(0, 1/k), bias ~ N(0, 0.01)."""
-    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-    w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.bfloat16)
-    b = jnp.asarray(rng.standard_normal(n) * 0.1, jnp.bfloat16)
+def layer_inputs(m: int, k: int, n: int, rng: np.random.Generator, dtype=jnp.bfloat16):
+    """x ~ N(0, 1) of shape (m, k), kernel ~ N(0, 1/k), bias ~ N(0, 0.01); bf16 unless told."""
+    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), dtype)
+    b = jnp.asarray(rng.standard_normal(n) * 0.1, dtype)
     return x, w, b
 
 
@@ -95,11 +95,11 @@ def mlp_block(contender: str, activation: str = "gelu"):
     return lambda x, w1, b1, w2, b2: fused_mlp(x, [(w1, b1), (w2, b2)], [activation, None], implementation=impl)
 
 
-def mlp_inputs(m: int, d: int):
+def mlp_inputs(m: int, d: int, dtype=jnp.bfloat16):
     """(x, w1, b1, w2, b2) of an M×D -> 4D -> D block, as layer_inputs draws them."""
     rng = np.random.default_rng(4)
-    x, w1, b1 = layer_inputs(m, d, 4 * d, rng)
-    _, w2, b2 = layer_inputs(m, 4 * d, d, rng)
+    x, w1, b1 = layer_inputs(m, d, 4 * d, rng, dtype)
+    _, w2, b2 = layer_inputs(m, 4 * d, d, rng, dtype)
     return x, w1, b1, w2, b2
 
 

@@ -833,10 +833,13 @@ def test_mlp_layers_probe_times_each_layers_implementation_on_cpu(tmp_path, caps
     assert [(r["shape"], r["activation"]) for r in rows] == [("24x8->32->8", "relu"), ("24x8->32->8", "gelu")]
     assert all(r[f"{c}_us"] > 0 for r in rows for c in mlp_layers.CONTENDERS)
     assert "| XLA/auto | XLA/both | XLA/first | XLA/second | XLA/bgrada |" in capsys.readouterr().out
-    mlp_layers.main(["--shape", "24", "8", "--forward", "--out", str(tmp_path)])
+    mlp_layers.main(["--shape", "24", "8", "--forward", "--dtype", "bfloat16", "float16", "--out", str(tmp_path)])
     rows = json.loads((tmp_path / "mlp_layers.json").read_text())["rows"]
-    assert [(r["shape"], r["mode"]) for r in rows] == [("24x8->32->8", "forward")]
-    assert "| 24x8->32->8 (forward) | relu |" in capsys.readouterr().out
+    assert [(r["mode"], r["dtype"]) for r in rows] == [("forward", "bfloat16"), ("forward", "float16")]
+    out = capsys.readouterr().out
+    assert "| 24x8->32->8 (forward) | bfloat16 | relu |" in out
+    assert "| 24x8->32->8 (forward) | float16 | relu |" in out
+    assert training.mlp_inputs(24, 8, jnp.float16)[3].dtype == jnp.float16
 
 
 def test_mixed_block_probe_times_gelu_and_relu_layers_in_one_block_on_cpu(tmp_path, capsys):

@@ -1,7 +1,7 @@
 """Probe: in an MLP block's fwd+bwd, which layer's cuBLASLt backward gains over XLA?
 
     python -m benchmarks.probes.mlp_layers [--out DIR] [--shape M D ...] [--activation relu gelu]
-                                           [--forward]
+                                           [--forward] [--dtype bfloat16 float16]
 
 benchmarks.training's MLP rows (2026-12-04 (v)) read ``fused_mlp(implementation="cublaslt")``
 ahead of XLA on ReLU blocks (1.01-1.16x) where "auto", XLA's autodiff, reads 1.00x. With
@@ -20,7 +20,8 @@ calls) as:
   cuBLASLt GEMM with the BGRADA epilog (its forward and input gradient stay XLA's): does
   ``second``'s gain come from that GEMM or from the fused forward?
 
-With ``--forward`` the same contenders time the block's forward alone (``jax.jit`` of it).
+With ``--forward`` the same contenders time the block's forward alone (``jax.jit`` of it);
+``--dtype`` lists the blocks' dtypes (inputs, weights and biases alike; bfloat16 by default).
 Results: DIR/mlp_layers.{json,md}.
 """
 
@@ -88,24 +89,26 @@ def grad_step(contender: str, activation: str):
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
 
 
-def bench(shapes, activations, forward: bool = False) -> list[dict]:
+def bench(shapes, activations, forward: bool = False, dtypes=("bfloat16",)) -> list[dict]:
     rows = []
     step = (lambda c, a: jax.jit(block(c, a))) if forward else grad_step
-    for activation in activations:
-        for m, d in shapes:
-            args = mlp_inputs(m, d)
-            times = time_jax_interleaved(*[(step(c, activation), args) for c in CONTENDERS])
-            row = {"shape": f"{m}x{d}->{4 * d}->{d}", "activation": activation, "dtype": "bfloat16"}
-            row["mode"] = "forward" if forward else "fwd+bwd"
-            row |= {f"{c}_us": t for c, t in zip(CONTENDERS, times)}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+    for dtype in dtypes:
+        for activation in activations:
+            for m, d in shapes:
+                args = mlp_inputs(m, d, jnp.dtype(dtype))
+                times = time_jax_interleaved(*[(step(c, activation), args) for c in CONTENDERS])
+                row = {"shape": f"{m}x{d}->{4 * d}->{d}", "activation": activation, "dtype": dtype}
+                row["mode"] = "forward" if forward else "fwd+bwd"
+                row |= {f"{c}_us": t for c, t in zip(CONTENDERS, times)}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
     return rows
 
 
 def render(rows) -> str:
     columns = {
-        "M×D→4D→D (bf16)": lambda r: f"{r['shape']} ({r['mode']})",
+        "M×D→4D→D": lambda r: f"{r['shape']} ({r['mode']})",
+        "dtype": lambda r: r["dtype"],
         "act": lambda r: r["activation"],
     }
     return ratio_table(rows, CONTENDERS, columns)
@@ -119,8 +122,10 @@ def main(argv=None):
     parser.add_argument("--shape", nargs=2, type=int, action="append", metavar=("M", "D"))
     parser.add_argument("--activation", nargs="+", choices=("relu", "gelu"), default=["relu"])
     parser.add_argument("--forward", action="store_true", help="time the block's forward alone")
+    parser.add_argument("--dtype", nargs="+", choices=("bfloat16", "float16"), default=["bfloat16"])
     args = parser.parse_args(argv)
-    rows = bench([tuple(s) for s in args.shape] if args.shape else SHAPES, args.activation, args.forward)
+    shapes = [tuple(s) for s in args.shape] if args.shape else SHAPES
+    rows = bench(shapes, args.activation, args.forward, args.dtype)
     table = render(rows)
     if args.out:
         write_results(args.out, "mlp_layers", rows, table)

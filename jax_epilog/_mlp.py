@@ -47,17 +47,24 @@ _OWNER = "fused_mlp"
 # "auto" is the stack of fused_dense calls: XLA's expression at those sizes, except on the
 # rows of _AUTO_STACK_ROWS.
 _AUTO_LINK_MIN_ROWS = 8192
-# "auto" runs every layer of a bfloat16 block on 512 to 1024 rows as "cublaslt" (the stack
-# of fused_dense calls, unlinked). There XLA's forward is the slower (CUPTI,
+# "auto" runs every layer of a bfloat16 or float16 block on 512 to 1536 rows as "cublaslt"
+# (the stack of fused_dense calls, unlinked). There XLA's forward is the slower (CUPTI,
 # 1024x1024->4096->1024): its Triton GEMMs with bias and ReLU took 25.6 and 21.0 µs where
 # cuBLASLt's epilog kernels took 16.8 and 14.2; for GELU its GEMM and GELU pass took 17.3 +
-# 8.3 µs against the epilog kernel's 19.4. The block's fwd+bwd measured 1.05-1.19x XLA
-# (ReLU, four processes) and 1.02-1.17x (GELU, two) at 512x1024, 512x2048, 1000x1024 and
-# 1024x1024 (and 1.08-1.12x at 1000x768, one process); at 2048 rows 0.98-1.01x; at 256 rows
-# 1.00-1.09x, and below that XLA's program against itself scattered by up to 42%. Blocks
-# this small read 0.92x (ReLU) at 512x512 and 1.00-1.03x at 1024x512, so the rule also
-# asks that some layer have M*N*K >= 2**31 (H200; benchmarks/README.md, 2026-12-04 (w)).
-_AUTO_STACK_ROWS = (512, 1024)
+# 8.3 µs against the epilog kernel's 19.4. The block's fwd+bwd (bfloat16) measured
+# 1.05-1.19x XLA (ReLU, four processes) and 1.02-1.17x (GELU, two) at 512x1024, 512x2048,
+# 1000x1024 and 1024x1024 (and 1.08-1.12x at 1000x768, one process); at 2048 rows
+# 0.98-1.01x; at 256 rows 1.00-1.09x, and below that XLA's program against itself scattered
+# by up to 42%. Blocks this small read 0.92x (ReLU) at 512x512 and 0.96-1.03x at 1024x512,
+# so the rule also asks that some layer have M*N*K >= 2**31 (H200; benchmarks/README.md,
+# 2026-12-04 (w)). Then (x): bfloat16 at 1280 and 1536 rows read 1.07-1.20x (D = 768,
+# 1024; one or two processes), 1.03x / 1.00x (ReLU / GELU) at 1536x2048, at 1792 rows
+# 1.03x / 1.00x and at 2048 1.00x / 1.03x; float16 blocks read as bfloat16 ones:
+# 1.05-1.17x (ReLU) and 1.00-1.15x (GELU) at 512-1536 rows with D <= 1024 and at 512x2048
+# (one or two processes), 1.06x / 0.98x at 1536x2048, 0.98-1.07x at 1792 and 2048 rows,
+# 0.93x (ReLU) at 1024x512, below the floor.
+_AUTO_STACK_ROWS = (512, 1536)
+_AUTO_STACK_DTYPES = ("bfloat16", "float16")
 _AUTO_STACK_MIN_MNK = 2**31
 
 
@@ -103,12 +110,13 @@ def fused_mlp(
       8192x4096->16384->4096 and 2048x1024->4096->1024 (H200, bf16; benchmarks/README.md,
       2026-12-04 (v)); a lone ``fused_dense`` whose output a loss reads keeps XLA's
       autodiff, where the same backward measured 0.92-1.02x.
-    - A block of two or more bfloat16 layers on 512 to 1024 rows, one of them with
-      M*N*K >= 2**31, with ``"auto"``: every layer runs as ``"cublaslt"`` (forward and
-      backward), where XLA's forward measured the slower (its Triton GEMMs, a separate
-      GELU pass): the block's fwd+bwd read 1.05-1.19x XLA's (ReLU) and 1.02-1.17x (GELU) at
-      512-1024 rows and D = 768, 1024, 2048 (H200; benchmarks/README.md, 2026-12-04 (w)).
-      Float16 and float32 blocks were not measured there and keep ``fused_dense``'s rule.
+    - A block of two or more bfloat16 or float16 layers on 512 to 1536 rows, one of them
+      with M*N*K >= 2**31, with ``"auto"``: every layer runs as ``"cublaslt"`` (forward
+      and backward), where XLA's forward measured the slower (its Triton GEMMs, a separate
+      GELU pass): the block's fwd+bwd read 1.05-1.20x XLA's (ReLU) and 1.00-1.17x (GELU) at
+      512-1536 rows and D = 768, 1024 (1.00-1.08x at D = 2048; H200; benchmarks/README.md,
+      2026-12-04 (w) and (x)). Float32 blocks were not measured and keep
+      ``fused_dense``'s rule.
 
     In a linked block (the first case) forward passes follow ``fused_dense``'s rule per
     layer, except that with ``"auto"`` a ReLU layer that is the last one, or too small,
@@ -157,7 +165,7 @@ def fused_mlp(
         for i, (act, _, _) in enumerate(checked)
     ]
     auto_stack = (
-        impl == "auto" and dtype == "bfloat16" and len(layers) > 1
+        impl == "auto" and dtype in _AUTO_STACK_DTYPES and len(layers) > 1
         and _AUTO_STACK_ROWS[0] <= m <= _AUTO_STACK_ROWS[1]
         and max(m * k * n for k, n in itertools.pairwise(ks)) >= _AUTO_STACK_MIN_MNK
     )  # fmt: skip

@@ -276,19 +276,26 @@ def test_auto_relu_layers_feeding_a_layer_match_float64_reference_vjp(
         (512, 1024, "bfloat16", ("relu", None), True),
         (1000, 768, "bfloat16", ("gelu", None), True),  # a GELU feeding a layer: no link here
         (1024, 1024, "bfloat16", ("gelu", "relu", None), True),
+        (1281, 1024, "bfloat16", ("gelu", None), True),
+        (1536, 768, "bfloat16", ("relu", None), True),
+        (1000, 1024, "float16", ("relu", None), True),
+        (1536, 1024, "float16", ("gelu", "relu", None), True),
         (511, 1024, "bfloat16", ("relu", None), False),
-        (1025, 1024, "bfloat16", ("gelu", None), False),
+        (1537, 1024, "bfloat16", ("gelu", None), False),
+        (1537, 1024, "float16", ("relu", None), False),
         (512, 512, "bfloat16", ("relu", None), False),  # M*N*K = 2**29: too small
         (1024, 512, "bfloat16", ("relu", None), False),  # 2**30
-        (1000, 1024, "float16", ("relu", None), False),  # not measured: fused_dense's rule
-        (1000, 1024, "float32", ("gelu", None), False),
+        (1024, 512, "float16", ("relu", None), False),
+        (1000, 1024, "float32", ("gelu", None), False),  # not measured: fused_dense's rule
         (1000, 1024, "bfloat16", ("relu",), False),  # one layer is fused_dense's call
     ],
 )
-def test_auto_runs_every_layer_of_a_mid_size_bfloat16_block_as_cublaslt(rows, d, dtype, activations, stacked):
-    """With "auto" a bfloat16 block on 512-1024 rows with a layer of M*N*K >= 2**31 is the
-    stack of "cublaslt" calls (measured faster than XLA there); elsewhere at these sizes it
-    is XLA's autodiff."""
+def test_auto_runs_every_layer_of_a_mid_size_half_precision_block_as_cublaslt(
+    rows, d, dtype, activations, stacked
+):
+    """With "auto" a bfloat16 or float16 block on 512-1536 rows with a layer of M*N*K >=
+    2**31 is the stack of "cublaslt" calls (measured faster than XLA there); elsewhere at
+    these sizes it is XLA's autodiff."""
     sds = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
     dims = [d, *(4 * d if i % 2 == 0 else d for i in range(len(activations)))]
     x, layers = sds(rows, d), [(sds(k, n), sds(n)) for k, n in itertools.pairwise(dims)]
@@ -302,13 +309,14 @@ def test_auto_runs_every_layer_of_a_mid_size_bfloat16_block_as_cublaslt(rows, d,
     assert ops.count("jax_epilog_fused_weight_grad") == bgrada
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("activations", [("gelu", "relu", None), ("relu", None)])
-def test_auto_mid_size_block_is_the_stack_of_cublaslt_calls(rng, monkeypatch, activations):
+def test_auto_mid_size_block_is_the_stack_of_cublaslt_calls(rng, monkeypatch, activations, dtype):
     """Its values and gradients are those of fused_dense(implementation="cublaslt") calls,
     and match the float64 reference (600 rows: in the rule's range, no multiple of 16;
     small layers, with the rule's size floor lowered)."""
     monkeypatch.setattr(mlp_module, "_AUTO_STACK_MIN_MNK", 1)
-    x_np, layers_np = draw(rng, (2, 300, 12), (21, 6, 9)[-len(activations) :], "bfloat16", activations)
+    x_np, layers_np = draw(rng, (2, 300, 12), (21, 6, 9)[-len(activations) :], dtype, activations)
     x, layers = _as_jnp(x_np, layers_np)
     mlp_ops = _ops(functools.partial(fused_mlp, activations=activations), x, layers)
     assert mlp_ops.count("jax_epilog_fused_matmul") == len(activations)
@@ -319,14 +327,14 @@ def test_auto_mid_size_block_is_the_stack_of_cublaslt_calls(rng, monkeypatch, ac
         return x
 
     mlp = jax.jit(functools.partial(fused_mlp, activations=activations))
-    dy = rng.standard_normal((2, 300, layers[-1][0].shape[1])).astype(np_dtype("bfloat16"))
+    dy = rng.standard_normal((2, 300, layers[-1][0].shape[1])).astype(np_dtype(dtype))
     got_y, got_vjp = jax.vjp(mlp, x, layers)
     want_y, want_vjp = jax.vjp(jax.jit(stacked), x, layers)
     as32 = lambda tree: [np.asarray(a, np.float32) for a in jax.tree.leaves(tree)]
     np.testing.assert_array_equal(as32(got_y), as32(want_y))
     for got, want in zip(as32(got_vjp(jnp.asarray(dy))), as32(want_vjp(jnp.asarray(dy))), strict=True):
         np.testing.assert_array_equal(got, want)
-    _assert_grads_match_reference(mlp, x_np, layers_np, dy, activations, TOL["bfloat16"])
+    _assert_grads_match_reference(mlp, x_np, layers_np, dy, activations, TOL[dtype])
 
 
 def test_without_a_gelu_feeding_a_layer_it_is_the_stack_of_fused_dense_calls(rng):

@@ -19,6 +19,8 @@ calls) as:
 - ``bgrada``: as ``auto``, but the second layer's kernel and bias gradients come from one
   cuBLASLt GEMM with the BGRADA epilog (its forward and input gradient stay XLA's): does
   ``second``'s gain come from that GEMM or from the fused forward?
+- ``fused_mlp``: the block as ``fused_mlp`` with its default "auto": which of the above
+  its rule picks, timed beside them.
 
 With ``--forward`` the same contenders time the block's forward alone (``jax.jit`` of it);
 ``--dtype`` lists the blocks' dtypes (inputs, weights and biases alike; bfloat16 by default).
@@ -35,7 +37,7 @@ import jax.numpy as jnp
 
 from benchmarks.forward import activation_fn, ratio_table, time_jax_interleaved, write_results
 from benchmarks.training import mlp_inputs
-from jax_epilog import fused_dense
+from jax_epilog import fused_dense, fused_mlp
 from jax_epilog._epilogs import ComputeType
 from jax_epilog._primitive import fused_weight_grad
 
@@ -45,7 +47,7 @@ IMPLEMENTATIONS = {  # contender -> (first layer's, second layer's implementatio
     "first": ("cublaslt", "auto"),
     "second": ("auto", "cublaslt"),
 }
-CONTENDERS = ("xla", *IMPLEMENTATIONS, "bgrada")
+CONTENDERS = ("xla", *IMPLEMENTATIONS, "bgrada", "fused_mlp")
 SHAPES = [(8192, 1024), (8192, 4096), (2048, 1024)]
 
 
@@ -53,6 +55,8 @@ def block(contender: str, activation: str):
     if contender == "xla":
         act = activation_fn(activation)
         return lambda x, w1, b1, w2, b2: act(x @ w1 + b1) @ w2 + b2
+    if contender == "fused_mlp":
+        return lambda x, w1, b1, w2, b2: fused_mlp(x, [(w1, b1), (w2, b2)], [activation, None])
     if contender == "bgrada":
         return lambda x, w1, b1, w2, b2: _bgrada_layer(fused_dense(x, w1, b1, activation=activation), w2, b2)
     first, second = IMPLEMENTATIONS[contender]

@@ -114,7 +114,7 @@ def fused_mlp(
       with M*N*K >= 2**31, with ``"auto"``: every layer runs as ``"cublaslt"`` (forward
       and backward), where XLA's forward measured the slower (its Triton GEMMs, a separate
       GELU pass): the block's fwd+bwd read 1.05-1.20x XLA's (ReLU) and 1.00-1.17x (GELU) at
-      512-1536 rows and D = 768, 1024 (1.00-1.08x at D = 2048; H200; benchmarks/README.md,
+      512-1536 rows and D = 768, 1024 (0.98-1.08x at D = 2048; H200; benchmarks/README.md,
       2026-12-04 (w) and (x)). Float32 blocks were not measured and keep
       ``fused_dense``'s rule.
 

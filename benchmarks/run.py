@@ -1,6 +1,6 @@
 """The benchmark suite: every contender on every shape, in one command.
 
-    python -m benchmarks.run [--quick | --full] [--out DIR] [--dry-run] [--cpu-smoke]
+    python -m benchmarks.run [--quick | --full] [--dtype D ...] [--out DIR] [--dry-run] [--cpu-smoke]
 
 Writes ``<out>/<UTC date>-<gpu slug>.json``, its Markdown rendering beside it (``.md``) and,
 when matplotlib is importable, two plots (``benchmarks/plot.py``). Contenders: fused_dense
@@ -10,6 +10,8 @@ compiled with ``xla_gpu_enable_cublaslt`` on (``CUBLASLT_OPTIONS``: the
 nvmath-python's ``Matmul`` called from CuPy, plus the machine's matmul and copy ceilings and
 the host cost per call. The method is in benchmarks/README.md.
 
+``--dtype`` keeps the cases whose operands have one of the dtypes named (bfloat16, float16,
+float32): ``--full`` outlasts a 10-minute session on the device, so it runs in parts.
 ``--dry-run`` lists the measurements and an H200 time estimate without timing anything;
 ``--cpu-smoke`` divides every dimension by 64 and takes two samples of two calls, so the
 whole code path runs on a CPU (torch and nvmath rows then say why they were skipped).
@@ -79,6 +81,7 @@ def row_key(row: dict) -> tuple:
 
 TRANSFORMER = ((1024, 4096), (4096, 16384), (4096, 1024), (16384, 4096))  # (K, N) at M=8192
 ALL_ACTS, RELU_GELU = ("relu", "gelu", "none"), ("relu", "gelu")
+DTYPES = ("bfloat16", "float16", "float32")  # the operand dtypes plan() draws on
 
 
 def plan(full: bool) -> list[Case]:
@@ -946,6 +949,9 @@ def parse_args(argv):
         "--out", default="benchmarks/results", help="folder for the results (default: %(default)s)"
     )
     parser.add_argument(
+        "--dtype", nargs="+", choices=DTYPES, default=DTYPES, help="only the cases of these operand dtypes"
+    )
+    parser.add_argument(
         "--dry-run", action="store_true", help="list the measurements and an estimate; time nothing"
     )
     parser.add_argument(
@@ -959,7 +965,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     args = parse_args(argv)
     settings = SMOKE if args.cpu_smoke else FULL if args.full else QUICK
     scale = 64 if args.cpu_smoke else 1
-    todo = jobs([shrink(case, scale) for case in plan(args.full)])
+    todo = jobs([shrink(case, scale) for case in plan(args.full) if case.dtype in args.dtype])
     if args.dry_run:
         print_plan(todo, settings)
         return None

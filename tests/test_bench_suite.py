@@ -386,6 +386,23 @@ def test_dry_run_lists_the_plan(capsys):
     assert "estimated H200 wall time" in lines[-1]
 
 
+def test_dtype_splits_the_full_plan_into_parts(capsys):
+    """--full in parts (one per device session): the parts' cases are the whole plan's."""
+
+    def listed(*argv):  # the dry run's measurements, without their index and estimate
+        run.main(["--full", *argv, "--dry-run"])
+        lines = capsys.readouterr().out.splitlines()[:-1]
+        return [line.split("] ", 1)[1].rsplit(" (~", 1)[0] for line in lines]
+
+    half, rest = listed("--dtype", "bfloat16"), listed("--dtype", "float16", "float32")
+    assert half and all(" bfloat16/" in line for line in half)
+    assert rest and not any(" bfloat16/" in line for line in rest)
+    assert sorted(half + rest) == sorted(listed())
+    with pytest.raises(SystemExit):
+        run.main(["--full", "--dtype", "float64", "--dry-run"])
+    assert "invalid choice: 'float64'" in capsys.readouterr().err
+
+
 def test_plots(tmp_path):
     pytest.importorskip("matplotlib")
     from benchmarks import plot

@@ -144,10 +144,10 @@ def fused_dense(
         differentiated by XLA as if jax_epilog were not there (half dtypes round after
         each step, as XLA does; ``compute_type`` may only choose TF32 or full float32).
         ``"auto"``: whichever measured faster on the H200 (benchmarks/README.md):
-        cuBLASLt for the forward of large GELU and ReLU layers (M >= 1024 rows and
-        M*N*K >= 2**33) and for anything the XLA expression cannot reproduce
+        cuBLASLt for the forward of large bfloat16 and float16 GELU and ReLU layers
+        (M >= 1024 rows and M*N*K >= 2**33) and for anything the XLA expression cannot reproduce
         (``return_aux=True``, 16-bit compute types); XLA's own expression and autodiff
-        otherwise (no activation, small layers), and always for the backward pass, where
+        otherwise (no activation, small layers, float32), and always for the backward pass, where
         XLA's own autodiff measured at least as fast as the backward below. On a CPU
         everything runs XLA (``"cublaslt"``: the reference math below, with the GPU
         kernel's aux layout).
@@ -200,7 +200,7 @@ def fused_dense(
     )
     lead = x.shape[:-1]
     x2 = x.reshape(m, k)
-    if impl == "xla" or (impl is None and not _auto_fuses(act, m, n, k)):
+    if impl == "xla" or (impl is None and not _auto_fuses(act, dtype, m, n, k)):
         return _plain(x2, kernel, bias, config).reshape(*lead, n)
     if impl is None:  # "auto" on a large layer: fused forward, XLA's backward
         return _fused_forward_xla_backward(x2, kernel, bias, config).reshape(*lead, n)
@@ -238,9 +238,13 @@ def _implementation(value, ct: ComputeType, return_aux: bool, owner: str = "fuse
     return value
 
 
-def _auto_fuses(activation: Activation | None, m: int, n: int, k: int) -> bool:
-    """The "auto" rule for a forward pass (benchmarks/README.md, H200, bf16, autotuned):
-    GELU or ReLU on a large layer. GELU: XLA leaves it unfused and the fused kernel
+# The operand dtypes whose layers "auto" may run on cuBLASLt: those it measured faster in.
+_AUTO_DTYPES = ("bfloat16", "float16")
+
+
+def _auto_fuses(activation: Activation | None, dtype: str, m: int, n: int, k: int) -> bool:
+    """The "auto" rule for a forward pass (benchmarks/README.md, H200, autotuned): GELU
+    or ReLU on a large bfloat16 or float16 layer. GELU: XLA leaves it unfused and the fused kernel
     measured 1.10-1.61x XLA at the three 8192-row shapes (the suite's four runs of
     2026-12-03 (l)). ReLU: XLA fuses bias + ReLU into its own GEMM, and the fused kernel
     measured 1.00-1.06x in the same runs (0.99-1.01x at 8192x4096->16384 timed as pairs;
@@ -252,8 +256,12 @@ def _auto_fuses(activation: Activation | None, m: int, n: int, k: int) -> bool:
     0.79-1.31x over 40 small-batch cases (16-256 rows, five weight sizes:
     benchmarks/probes/small_batch.py), without a pattern a rule could follow (0.63-0.84x
     before). Inside XLA's command buffers small fused layers do win (16-layer chains), but
-    an op cannot know at tracing whether XLA will capture it."""
-    return activation is not None and m >= 1024 and m * n * k >= 2**33
+    an op cannot know at tracing whether XLA will capture it.
+    Float16 measured as bfloat16 does (the full suite, 2026-12-04 (x): 0.99-1.55x XLA at
+    the four 8192-row shapes, bfloat16 1.01-1.58x). Not float32: at 8192x1024->4096 the
+    fused kernel tied XLA with full float32 (1.00x) and with TF32 lost for GELU (0.95x:
+    cuBLASLt's TF32 GELU kernel took 318 µs, XLA's GEMM and GELU pass 301)."""
+    return activation is not None and dtype in _AUTO_DTYPES and m >= 1024 and m * n * k >= 2**33
 
 
 def _plain(x2, kernel, bias, config: _Config):

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from . import _reference
 from ._dense import (
+    _AUTO_DTYPES,
     _XLA_COMPUTE_TYPES,
     _auto_fuses,
     _check_array,
@@ -43,7 +44,8 @@ __all__ = ["fused_mlp"]
 _OWNER = "fused_mlp"
 # "auto" links layers (DGELU) from this many rows: an MLP block's fwd+bwd measured 1.06-1.09x
 # XLA at 8192x1024->4096->1024 (five runs) and 0.99-1.00x at 8192x4096->16384->4096, but
-# 0.90-0.96x at 2048, 1000, 512 and 256 rows (benchmarks/README.md, H200, bf16); below it
+# 0.90-0.96x at 2048, 1000, 512 and 256 rows (benchmarks/README.md, H200, bf16; float16
+# as bfloat16, float32 blocks not measured, so "auto" links only _AUTO_DTYPES); below it
 # "auto" is the stack of fused_dense calls: XLA's expression at those sizes, except on the
 # rows of _AUTO_STACK_ROWS.
 _AUTO_LINK_MIN_ROWS = 8192
@@ -64,7 +66,6 @@ _AUTO_LINK_MIN_ROWS = 8192
 # (one or two processes), 1.06x / 0.98x at 1536x2048, 0.98-1.07x at 1792 and 2048 rows,
 # 0.93x (ReLU) at 1024x512, below the floor.
 _AUTO_STACK_ROWS = (512, 1536)
-_AUTO_STACK_DTYPES = ("bfloat16", "float16")
 _AUTO_STACK_MIN_MNK = 2**31
 
 
@@ -97,13 +98,15 @@ def fused_mlp(
     the layers run together in one program (the third):
 
     - A GELU layer feeding another layer, with ``"cublaslt"``, or with ``"auto"`` on 8192
-      rows or more (where it measured faster than XLA; fewer rows measured 0.90-0.96x):
+      rows or more in bfloat16 or float16 (where it measured faster than XLA; fewer rows
+      measured 0.90-0.96x; float32 was not measured):
       the backward forms the GELU layer's ``dz`` in the next layer's input-gradient GEMM,
       with cuBLASLt's DGELU epilog on a GPU (the reference math of that GEMM elsewhere).
       The product then meets ``gelu'(z)`` in float32 before rounding once, where
       separate calls round it to x's dtype first.
     - A ReLU layer feeding another layer, with ``"auto"``, on a layer large enough for
-      ``fused_dense``'s "auto" forward to fuse it (M >= 1024 rows and M*N*K >= 2**33):
+      ``fused_dense``'s "auto" forward to fuse it (bfloat16 or float16, M >= 1024 rows
+      and M*N*K >= 2**33):
       it runs as ``"cublaslt"`` does, the fused kernel keeping its bit-mask for the
       backward (XLA's GEMMs and reduction from it). In a ReLU block's fwd+bwd that
       measured 1.04-1.06x XLA's autodiff at 8192x1024->4096->1024 and 1.00-1.02x at
@@ -127,7 +130,7 @@ def fused_mlp(
     implementation (XLA's GEMM and reduction for ``"auto"``).
 
     Without a link (no GELU layer before the last one, ``"xla"``, float64, or ``"auto"``
-    on fewer rows) ``fused_mlp`` is the stack of ``fused_dense`` calls, each with
+    on fewer rows or in float32) ``fused_mlp`` is the stack of ``fused_dense`` calls, each with
     ``implementation``, except the ReLU layers of the second case and the blocks of the
     third (forward mode then works where ``fused_dense``'s does). With a link it is a
     ``jax.custom_vjp``: reverse mode only.
@@ -149,7 +152,8 @@ def fused_mlp(
 
     lead, m = x.shape[:-1], math.prod(x.shape[:-1])
     gelu_feeds_a_layer = any(act is Activation.GELU for act, _, _ in checked[:-1])
-    link = gelu_feeds_a_layer and (impl == "cublaslt" or (impl == "auto" and m >= _AUTO_LINK_MIN_ROWS))
+    auto_link = impl == "auto" and dtype in _AUTO_DTYPES and m >= _AUTO_LINK_MIN_ROWS
+    link = gelu_feeds_a_layer and (impl == "cublaslt" or auto_link)
     ks = [x.shape[-1], *(kernel.shape[1] for kernel, _ in layers)]
     # With "auto", the large layers (_auto_fuses) whose fused backward measured faster than
     # XLA's autodiff in a block: GELU layers (linked, above), and ReLU layers whose output a
@@ -159,13 +163,12 @@ def fused_mlp(
     # the layer directly it measured 0.92-1.02x, so fused_dense alone keeps XLA's autodiff.
     auto_fused = [
         impl == "auto"
-        and dtype != "float64"
         and (act is Activation.GELU or (act is Activation.RELU and i < len(layers) - 1))
-        and _auto_fuses(act, m, ks[i + 1], ks[i])
+        and _auto_fuses(act, dtype, m, ks[i + 1], ks[i])
         for i, (act, _, _) in enumerate(checked)
     ]
     auto_stack = (
-        impl == "auto" and dtype in _AUTO_STACK_DTYPES and len(layers) > 1
+        impl == "auto" and dtype in _AUTO_DTYPES and len(layers) > 1
         and _AUTO_STACK_ROWS[0] <= m <= _AUTO_STACK_ROWS[1]
         and max(m * k * n for k, n in itertools.pairwise(ks)) >= _AUTO_STACK_MIN_MNK
     )  # fmt: skip

@@ -97,12 +97,18 @@ def test_auto_fuses_large_forward_passes_only(activation):
                                jax.ShapeDtypeStruct((8192, 4096), jnp.bfloat16), bias)
     assert FUSED not in _jaxpr(f, jax.ShapeDtypeStruct((2048, 256), jnp.bfloat16),
                                jax.ShapeDtypeStruct((256, 4096), jnp.bfloat16), bias)
+    # Float16 as bfloat16; float32 (full or TF32: a tie and a loss for GELU) stays XLA's.
+    as_dtype = lambda dtype: [jax.ShapeDtypeStruct(a.shape, dtype) for a in (*big, bias)]
+    assert FUSED in _jaxpr(f, *as_dtype(jnp.float16))
+    assert FUSED not in _jaxpr(f, *as_dtype(jnp.float32))
+    tf32 = functools.partial(f, compute_type="COMPUTE_32F_FAST_TF32")
+    assert FUSED not in _jaxpr(tf32, *as_dtype(jnp.float32))
 
 
 @pytest.mark.parametrize("activation", ["relu", "gelu"])
 def test_auto_fused_forward_with_xla_backward(rng, activation, monkeypatch):
     """The large-layer "auto" path on a small problem: the op's value, the plain gradients."""
-    monkeypatch.setattr(_dense, "_auto_fuses", lambda activation, m, n, k: True)
+    monkeypatch.setattr(_dense, "_auto_fuses", lambda activation, dtype, m, n, k: True)
     x, w, b = _inputs(rng, 33, 17, 9)
     f = functools.partial(fused_dense, activation=activation)
     assert FUSED in _jaxpr(f, x, w, b)

@@ -188,17 +188,17 @@ def test_a_gelu_feeding_a_layer_is_differentiated_in_that_layers_gemm(rng, imple
     assert fused == (implementation == "cublaslt" or (implementation == "auto" and rows >= 8192))
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 def test_auto_link_on_many_rows_matches_float64_reference_vjp(rng, dtype):
     """The linked path of "auto" (XLA forward saving z, ReLU's derivative from y > 0, DGELU
-    link), which the small shapes above do not reach; leading dims fold to 8194 rows."""
+    link), which the small shapes above do not reach; leading dims fold to 8194 rows.
+    Float32 blocks were not measured: there "auto" is the stack of fused_dense calls."""
     activations = ("gelu", "relu", None)
     x, layers = draw(rng, (2, 4097, 6), (9, 5, 3), dtype, activations)
     dy = rng.standard_normal((2, 4097, 3)).astype(np_dtype(dtype))
     f = jax.jit(functools.partial(fused_mlp, activations=activations))
-    assert "jax_epilog_fused_gelu_input_grad" in _ops(
-        jax.grad(lambda x, layers: jnp.sum(f(x, layers))), *_as_jnp(x, layers)
-    )
+    ops = _ops(jax.grad(lambda x, layers: jnp.sum(f(x, layers))), *_as_jnp(x, layers))
+    assert ("jax_epilog_fused_gelu_input_grad" in ops) == (dtype != "float32")
     _assert_grads_match_reference(f, x, layers, dy, activations, TOL[dtype])
 
 
@@ -255,13 +255,13 @@ def test_auto_differentiates_large_relu_layers_feeding_a_layer_through_their_mas
     [((2, 9, 6), ("relu", "relu", None)), ((2, 4097, 6), ("gelu", "relu", None))],
     ids=["stacked", "linked"],
 )
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_auto_relu_layers_feeding_a_layer_match_float64_reference_vjp(
     rng, monkeypatch, dtype, x_shape, activations
 ):
     """The numbers of that rule on small layers (the size threshold lowered), in the stack
     of fused_dense calls and in a linked block (8194 rows)."""
-    monkeypatch.setattr(mlp_module, "_auto_fuses", lambda act, m, n, k: act is not None)
+    monkeypatch.setattr(mlp_module, "_auto_fuses", lambda act, dtype, m, n, k: act is not None)
     x, layers = draw(rng, x_shape, (9, 5, 3), dtype, activations)
     dy = rng.standard_normal((*x_shape[:-1], 3)).astype(np_dtype(dtype))
     f = jax.jit(functools.partial(fused_mlp, activations=activations))

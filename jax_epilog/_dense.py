@@ -145,10 +145,11 @@ def fused_dense(
         each step, as XLA does; ``compute_type`` may only choose TF32 or full float32).
         ``"auto"``: whichever measured faster on the H200 (benchmarks/README.md):
         cuBLASLt for the forward of large bfloat16 and float16 GELU and ReLU layers
-        (M >= 1024 rows and M*N*K >= 2**33) and for anything the XLA expression cannot reproduce
-        (``return_aux=True``, 16-bit compute types); XLA's own expression and autodiff
-        otherwise (no activation, small layers, float32), and always for the backward pass, where
-        XLA's own autodiff measured at least as fast as the backward below. On a CPU
+        (M >= 1024 rows and M*N*K >= 2**33) and for anything the XLA expression cannot
+        reproduce (``return_aux=True``, 16-bit compute types); XLA's own expression and
+        autodiff otherwise (no activation, small layers, float32), and always for the
+        backward pass, where XLA's own autodiff measured at least as fast as the backward
+        below. On a CPU
         everything runs XLA (``"cublaslt"``: the reference math below, with the GPU
         kernel's aux layout).
 
@@ -244,12 +245,13 @@ _AUTO_DTYPES = ("bfloat16", "float16")
 
 def _auto_fuses(activation: Activation | None, dtype: str, m: int, n: int, k: int) -> bool:
     """The "auto" rule for a forward pass (benchmarks/README.md, H200, autotuned): GELU
-    or ReLU on a large bfloat16 or float16 layer. GELU: XLA leaves it unfused and the fused kernel
-    measured 1.10-1.61x XLA at the three 8192-row shapes (the suite's four runs of
-    2026-12-03 (l)). ReLU: XLA fuses bias + ReLU into its own GEMM, and the fused kernel
+    or ReLU on a large bfloat16 or float16 layer. GELU: XLA leaves it unfused and the
+    fused kernel measured 1.10-1.61x XLA at the three 8192-row shapes (the suite's four
+    runs of 2026-12-03 (l)). ReLU: XLA fuses bias + ReLU into its own GEMM, and the fused kernel
     measured 1.00-1.06x in the same runs (0.99-1.01x at 8192x4096->16384 timed as pairs;
     0.94-0.98x there before the autotuner warmed the GPU up): a tie at worst. Not without
-    an activation (measured at one shape only).
+    an activation, where XLA fuses the bias: 0.97-1.07x at the full suite's four 8192-row
+    shapes (2026-12-04 (x)), a tie the rule has no reason to take.
     Not small layers (fewer than 1024 rows or M*N*K < 2**33): as single jitted calls they
     are bound by host time, and since the handler replays a captured graph (~6 µs per call
     instead of ~23) the fused call measured 0.79-1.15x XLA there over two runs, and

@@ -45,7 +45,8 @@ _OWNER = "fused_mlp"
 # "auto" links layers (DGELU) from this many rows: an MLP block's fwd+bwd measured 1.06-1.09x
 # XLA at 8192x1024->4096->1024 (five runs) and 0.99-1.00x at 8192x4096->16384->4096, but
 # 0.90-0.96x at 2048, 1000, 512 and 256 rows (benchmarks/README.md, H200, bf16; float16
-# as bfloat16, float32 blocks not measured, so "auto" links only _AUTO_DTYPES); below it
+# GELU blocks 1.04x and 0.99x at the two 8192-row sizes, 2026-12-04 (x); float32 blocks
+# not measured, so "auto" links only _AUTO_DTYPES); below it
 # "auto" is the stack of fused_dense calls: XLA's expression at those sizes, except on the
 # rows of _AUTO_STACK_ROWS.
 _AUTO_LINK_MIN_ROWS = 8192
@@ -99,7 +100,7 @@ def fused_mlp(
 
     - A GELU layer feeding another layer, with ``"cublaslt"``, or with ``"auto"`` on 8192
       rows or more in bfloat16 or float16 (where it measured faster than XLA; fewer rows
-      measured 0.90-0.96x; float32 was not measured):
+      measured 0.90-0.96x; float32 blocks were not measured):
       the backward forms the GELU layer's ``dz`` in the next layer's input-gradient GEMM,
       with cuBLASLt's DGELU epilog on a GPU (the reference math of that GEMM elsewhere).
       The product then meets ``gelu'(z)`` in float32 before rounding once, where

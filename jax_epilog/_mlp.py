@@ -153,8 +153,9 @@ def fused_mlp(
 
     lead, m = x.shape[:-1], math.prod(x.shape[:-1])
     gelu_feeds_a_layer = any(act is Activation.GELU for act, _, _ in checked[:-1])
-    auto_link = impl == "auto" and dtype in _AUTO_DTYPES and m >= _AUTO_LINK_MIN_ROWS
-    link = gelu_feeds_a_layer and (impl == "cublaslt" or auto_link)
+    # "auto"'s cuBLASLt rules below hold in the dtypes they were measured in.
+    auto = impl == "auto" and dtype in _AUTO_DTYPES
+    link = gelu_feeds_a_layer and (impl == "cublaslt" or (auto and m >= _AUTO_LINK_MIN_ROWS))
     ks = [x.shape[-1], *(kernel.shape[1] for kernel, _ in layers)]
     # With "auto", the large layers (_auto_fuses) whose fused backward measured faster than
     # XLA's autodiff in a block: GELU layers (linked, above), and ReLU layers whose output a
@@ -163,13 +164,13 @@ def fused_mlp(
     # (benchmarks.probes.mlp_layers, benchmarks.training, 2026-12-04 (v)); where a loss reads
     # the layer directly it measured 0.92-1.02x, so fused_dense alone keeps XLA's autodiff.
     auto_fused = [
-        impl == "auto"
+        auto
         and (act is Activation.GELU or (act is Activation.RELU and i < len(layers) - 1))
         and _auto_fuses(act, dtype, m, ks[i + 1], ks[i])
         for i, (act, _, _) in enumerate(checked)
     ]
     auto_stack = (
-        impl == "auto" and dtype in _AUTO_DTYPES and len(layers) > 1
+        auto and len(layers) > 1
         and _AUTO_STACK_ROWS[0] <= m <= _AUTO_STACK_ROWS[1]
         and max(m * k * n for k, n in itertools.pairwise(ks)) >= _AUTO_STACK_MIN_MNK
     )  # fmt: skip

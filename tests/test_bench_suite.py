@@ -849,7 +849,7 @@ def test_mlp_layers_probe_times_each_layers_implementation_on_cpu(tmp_path, caps
     rows = json.loads((tmp_path / "mlp_layers.json").read_text())["rows"]
     assert [(r["shape"], r["activation"]) for r in rows] == [("24x8->32->8", "relu"), ("24x8->32->8", "gelu")]
     assert all(r[f"{c}_us"] > 0 for r in rows for c in mlp_layers.CONTENDERS)
-    ratios = "| XLA/auto | XLA/both | XLA/first | XLA/second | XLA/bgrada | XLA/fused_mlp |"
+    ratios = "| XLA/auto | XLA/both | XLA/first | XLA/second | XLA/bgrada | XLA/fused_mlp | XLA/fused_mlp_cublaslt |"
     assert ratios in capsys.readouterr().out
     dtypes = ["--dtype", "bfloat16", "float16"]
     mlp_layers.main(["--shape", "24", "8", "--forward", *dtypes, "--out", str(tmp_path)])
@@ -859,6 +859,26 @@ def test_mlp_layers_probe_times_each_layers_implementation_on_cpu(tmp_path, caps
     assert "| 24x8->32->8 (forward) | bfloat16 | relu |" in out
     assert "| 24x8->32->8 (forward) | float16 | relu |" in out
     assert training.mlp_inputs(24, 8, jnp.float16)[3].dtype == jnp.float16
+    mlp_layers.main(["--shape", "24", "8", "--dtype", "float32", "--tf32", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "mlp_layers.json").read_text())["rows"]
+    assert [(r["dtype"], r["compute_type"]) for r in rows] == [("float32", "COMPUTE_32F_FAST_TF32")]
+    assert "| 24x8->32->8 (fwd+bwd) | float32 (TF32) | relu |" in capsys.readouterr().out
+
+
+def test_mlp_layers_probe_asks_xla_for_the_fused_arithmetic():
+    """Float32 blocks: XLA's dots at HIGHEST (full float32, fused_dense's default) or at
+    DEFAULT with --tf32 (what "auto" runs then); half dtypes keep the expression as written."""
+    from benchmarks import training
+    from benchmarks.probes import mlp_layers
+
+    m, d = (int(v) for v in np.random.default_rng().integers(9, 40, size=2))
+    for dtype, tf32, want in [("float32", False, "HIGHEST"), ("float32", True, "DEFAULT"), ("bfloat16", False, "DEFAULT")]:
+        arithmetic = mlp_layers.Arithmetic.of(dtype, tf32)
+        args = training.mlp_inputs(m, d, jnp.dtype(dtype))
+        hlo = mlp_layers.forward_step("xla", "gelu", arithmetic).lower(*args).as_text()
+        assert ("HIGHEST" in hlo) == (want == "HIGHEST"), (dtype, tf32)
+        expected_ct = "COMPUTE_32F_FAST_TF32" if tf32 else "COMPUTE_32F"
+        assert arithmetic.compute_type.name == expected_ct
 
 
 def test_mixed_block_probe_times_gelu_and_relu_layers_in_one_block_on_cpu(tmp_path, capsys):

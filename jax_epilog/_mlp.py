@@ -45,8 +45,9 @@ _OWNER = "fused_mlp"
 # "auto" links layers (DGELU) from this many rows: an MLP block's fwd+bwd measured 1.06-1.09x
 # XLA at 8192x1024->4096->1024 (five runs) and 0.99-1.00x at 8192x4096->16384->4096, but
 # 0.90-0.96x at 2048, 1000, 512 and 256 rows (benchmarks/README.md, H200, bf16; float16
-# GELU blocks 1.04x and 0.99x at the two 8192-row sizes, 2026-12-04 (x); float32 blocks
-# not measured, so "auto" links only _AUTO_DTYPES); below it
+# GELU blocks 1.04x and 0.99x at the two 8192-row sizes, 2026-12-04 (x); float32 GELU
+# blocks linked read 0.97x with full float32 and 0.87-0.88x with TF32 at 8192x1024, (y),
+# so "auto" links only _AUTO_DTYPES); below it
 # "auto" is the stack of fused_dense calls: XLA's expression at those sizes, except on the
 # rows of _AUTO_STACK_ROWS.
 _AUTO_LINK_MIN_ROWS = 8192
@@ -100,7 +101,7 @@ def fused_mlp(
 
     - A GELU layer feeding another layer, with ``"cublaslt"``, or with ``"auto"`` on 8192
       rows or more in bfloat16 or float16 (where it measured faster than XLA; fewer rows
-      measured 0.90-0.96x; float32 blocks were not measured):
+      measured 0.90-0.96x; linked float32 blocks 0.87-1.00x, 2026-12-04 (y)):
       the backward forms the GELU layer's ``dz`` in the next layer's input-gradient GEMM,
       with cuBLASLt's DGELU epilog on a GPU (the reference math of that GEMM elsewhere).
       The product then meets ``gelu'(z)`` in float32 before rounding once, where
@@ -119,8 +120,9 @@ def fused_mlp(
       and backward), where XLA's forward measured the slower (its Triton GEMMs, a separate
       GELU pass): the block's fwd+bwd read 1.05-1.20x XLA's (ReLU) and 1.00-1.17x (GELU) at
       512-1536 rows and D = 768, 1024 (0.98-1.08x at D = 2048; H200; benchmarks/README.md,
-      2026-12-04 (w) and (x)). Float32 blocks were not measured and keep
-      ``fused_dense``'s rule.
+      2026-12-04 (w) and (x)). Float32 blocks keep ``fused_dense``'s rule (XLA's
+      program): every layer on cuBLASLt read 0.97-1.01x XLA's fwd+bwd at 1024-8192 rows
+      with full float32 and 0.90-1.04x with TF32 (2026-12-04 (y)).
 
     In a linked block (the first case) forward passes follow ``fused_dense``'s rule per
     layer, except that with ``"auto"`` a ReLU layer that is the last one, or too small,

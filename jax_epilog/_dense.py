@@ -9,6 +9,7 @@ from typing import NamedTuple
 
 import jax
 import numpy as np
+from jax.custom_derivatives import SymbolicZero
 
 from . import _reference
 from ._epilogs import (
@@ -180,9 +181,11 @@ def fused_dense(
     ReLU from XLA's GEMM and a reduction of its own, which XLA fuses with forming dz from
     the mask (fwd+bwd 0.92-1.00x XLA at 8192x1024->4096 against 0.83-0.94x with BGRADA;
     benchmarks/README.md, 2026-12-04 (u)). With ``return_aux=True`` the GELU
-    aux is differentiable (it is ``z``); the ReLU mask is not. Forward mode (``jax.jvp``)
-    of the fused op is not supported and raises; where ``"xla"`` or ``"auto"`` run XLA's
-    own expression it works as for any jnp code.
+    aux is differentiable (it is ``z``); the ReLU mask is not. Forward mode (``jax.jvp``,
+    ``jax.jacfwd``, ``jax.hessian``) works with ``"xla"`` and ``"auto"``, whose derivatives
+    are always those of the plain expression (even where the value is the fused kernel's);
+    the op itself (``"cublaslt"``, and ``"auto"`` with ``return_aux=True`` or a 16-bit
+    compute type) is a ``jax.custom_vjp`` and raises.
     """
     _check_array(x, "x")
     act, dtype, ct, f32_bias = check_layer("fused_dense", x.shape, x, kernel, bias, activation, compute_type)
@@ -203,8 +206,8 @@ def fused_dense(
     x2 = x.reshape(m, k)
     if impl == "xla" or (impl is None and not _auto_fuses(act, dtype, m, n, k)):
         return _plain(x2, kernel, bias, config).reshape(*lead, n)
-    if impl is None:  # "auto" on a large layer: fused forward, XLA's backward
-        return _fused_forward_xla_backward(x2, kernel, bias, config).reshape(*lead, n)
+    if impl is None:  # "auto" on a large layer: fused forward, XLA's derivatives
+        return _fused_forward_xla_derivatives(x2, kernel, bias, config).reshape(*lead, n)
     y, aux = _dense(x2, kernel, bias, config)
     y = y.reshape(*lead, n)
     if not return_aux:
@@ -271,22 +274,31 @@ def _plain(x2, kernel, bias, config: _Config):
     return _reference.plain(x2, kernel, bias, config.activation, tf32)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _fused_forward_xla_backward(x2, kernel, bias, config: _Config):
-    """The fused kernel when only the value is needed; under reverse-mode differentiation
-    the plain expression and XLA's own autodiff (measured faster for fwd+bwd)."""
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
+def _fused_forward_xla_derivatives(x2, kernel, bias, config: _Config):
+    """The fused kernel when only the value is needed. Differentiated, in either mode, the
+    plain expression with its own derivatives: under ``jax.grad`` XLA's autodiff (measured
+    faster for fwd+bwd), and forward mode (``jax.jvp``, ``jax.jacfwd``, ``jax.hessian``)
+    as for any jnp code."""
     return _forward(x2, kernel, bias, config, with_aux=False)[0]
 
 
-def _fxb_fwd(x2, kernel, bias, config: _Config):
-    return jax.vjp(lambda x2, kernel, bias: _plain(x2, kernel, bias, config), x2, kernel, bias)
+def _fxd_jvp(config: _Config, primals, tangents):
+    # Only the differentiated arguments enter the expression's jvp, so an argument held
+    # constant adds no product with a zero tangent, and reverse mode lowers to the very
+    # program of the user's expression under jax.grad (tests/test_implementation.py).
+    live = [i for i, t in enumerate(tangents) if not isinstance(t, SymbolicZero)]
+
+    def plain(*active):
+        args = list(primals)
+        for i, a in zip(live, active):
+            args[i] = a
+        return _plain(*args, config)
+
+    return jax.jvp(plain, [primals[i] for i in live], [tangents[i] for i in live])
 
 
-def _fxb_bwd(config: _Config, vjp, dy):
-    return vjp(dy)
-
-
-_fused_forward_xla_backward.defvjp(_fxb_fwd, _fxb_bwd)
+_fused_forward_xla_derivatives.defjvp(_fxd_jvp, symbolic_zeros=True)
 
 
 class _Config(NamedTuple):

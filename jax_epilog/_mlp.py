@@ -135,8 +135,9 @@ def fused_mlp(
     Without a link (no GELU layer before the last one, ``"xla"``, float64, or ``"auto"``
     on fewer rows or in float32) ``fused_mlp`` is the stack of ``fused_dense`` calls, each
     with ``implementation``, except the ReLU layers of the second case and the blocks of the
-    third (forward mode then works where ``fused_dense``'s does). With a link it is a
-    ``jax.custom_vjp``: reverse mode only.
+    third, which run as ``"cublaslt"``. Forward mode then works where each call's
+    implementation allows it (``"auto"``, ``"xla"``; not ``"cublaslt"``). With a link it
+    is a ``jax.custom_vjp``: reverse mode only.
     Raises TypeError/ValueError at trace time, naming the layer, for anything
     ``fused_dense`` would refuse and for ``layers``/``activations`` that do not pair up.
     """

@@ -27,7 +27,8 @@ always in the promoted dtype; the accumulation is float32, or float64 for float6
 :mod:`jax_epilog.linen`: None/DEFAULT use ``compute_type``; HIGH/HIGHEST are met by the
 default full-precision compute types and raise ``ValueError`` at call time beside a
 ``compute_type`` below them; anything else raises ``ValueError``. Forward-mode
-autodiff (``jax.jvp``) raises; ``jax.grad``, ``nnx.jit``, ``nnx.grad``, ``nnx.vmap``,
+autodiff (``jax.jvp``) works as in :mod:`jax_epilog.linen` (with ``"auto"`` and
+``"xla"``; ``"cublaslt"`` raises); ``jax.grad``, ``nnx.jit``, ``nnx.grad``, ``nnx.vmap``,
 ``nnx.scan`` and ``nnx.remat`` work. Numerics differ from ``nnx.Linear`` + activation in
 half precision by about one unit in the last place (one rounding instead of three; see
 :mod:`jax_epilog.linen`).

@@ -106,8 +106,23 @@ def test_auto_fuses_large_forward_passes_only(activation):
 
 
 @pytest.mark.parametrize("activation", ["relu", "gelu"])
-def test_auto_fused_forward_with_xla_backward(rng, activation, monkeypatch):
-    """The large-layer "auto" path on a small problem: the op's value, the plain gradients."""
+@pytest.mark.parametrize("argnums", [(0, 1, 2), (1, 2), (0,), (1,)])
+def test_auto_gradient_of_a_fused_layer_is_the_users_program(activation, argnums):
+    """Where "auto" fuses the forward, jax.grad lowers to exactly the program of the user's
+    expression, whichever arguments are differentiated (a constant one adds no work)."""
+    big = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((4096, 1024), (1024, 4096), (4096,))]
+    act = {"relu": jax.nn.relu, "gelu": functools.partial(jax.nn.gelu, approximate=True)}[activation]
+    ours = lambda x, w, b: jnp.sum(fused_dense(x, w, b, activation=activation) ** 2)
+    users = lambda x, w, b: jnp.sum(act(x @ w + b) ** 2)
+    assert FUSED in _jaxpr(functools.partial(fused_dense, activation=activation), *big)
+    text = [jax.jit(jax.grad(f, argnums=argnums)).lower(*big).as_text(debug_info=False) for f in (ours, users)]
+    assert text[0] == text[1]
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_auto_fused_forward_with_xla_derivatives(rng, activation, monkeypatch):
+    """The large-layer "auto" path on a small problem: the op's value, the plain gradients,
+    and forward mode (jvp, jacfwd, hessian) as the plain expression has it."""
     monkeypatch.setattr(_dense, "_auto_fuses", lambda activation, dtype, m, n, k: True)
     x, w, b = _inputs(rng, 33, 17, 9)
     f = functools.partial(fused_dense, activation=activation)
@@ -124,6 +139,16 @@ def test_auto_fused_forward_with_xla_backward(rng, activation, monkeypatch):
     act = jax.nn.relu if activation == "relu" else functools.partial(jax.nn.gelu, approximate=True)
     r = jax.grad(lambda x: jnp.sum(act(jnp.matmul(x, w, precision="highest")) ** 2))(xs)  # no TF32
     np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-5)
+    # Forward mode: the plain expression's derivatives, in every argument or some of them.
+    plain = functools.partial(_plain, activation=activation)
+    tangents = tuple(jnp.asarray(rng.standard_normal(a.shape), a.dtype) for a in (x, w, b))
+    (y, dy), (y_ref, dy_ref) = (jax.jvp(g, (x, w, b), tangents) for g in (f, plain))
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(y_ref))
+    np.testing.assert_allclose(np.asarray(dy), np.asarray(dy_ref), rtol=1e-6, atol=1e-6)
+    for got, want in zip(jax.jacfwd(f, argnums=(1, 2))(x, w, b), jax.jacfwd(plain, argnums=(1, 2))(x, w, b)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    hessian = lambda g: jax.hessian(lambda x: jnp.sum(g(x, w, b) ** 2))(x)
+    np.testing.assert_allclose(np.asarray(hessian(f)), np.asarray(hessian(plain)), rtol=1e-5, atol=1e-5)
 
 
 def test_auto_keeps_the_op_where_xla_cannot_reproduce_it(rng):

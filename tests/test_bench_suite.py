@@ -872,13 +872,12 @@ def test_mlp_layers_probe_asks_xla_for_the_fused_arithmetic():
     from benchmarks.probes import mlp_layers
 
     m, d = (int(v) for v in np.random.default_rng().integers(9, 40, size=2))
-    for dtype, tf32, want in [("float32", False, "HIGHEST"), ("float32", True, "DEFAULT"), ("bfloat16", False, "DEFAULT")]:
+    for dtype, tf32, highest in [("float32", False, True), ("float32", True, False), ("bfloat16", False, False)]:
         arithmetic = mlp_layers.Arithmetic.of(dtype, tf32)
         args = training.mlp_inputs(m, d, jnp.dtype(dtype))
         hlo = mlp_layers.forward_step("xla", "gelu", arithmetic).lower(*args).as_text()
-        assert ("HIGHEST" in hlo) == (want == "HIGHEST"), (dtype, tf32)
-        expected_ct = "COMPUTE_32F_FAST_TF32" if tf32 else "COMPUTE_32F"
-        assert arithmetic.compute_type.name == expected_ct
+        assert ("HIGHEST" in hlo) == highest, (dtype, tf32)
+        assert arithmetic.compute_type.name == ("COMPUTE_32F_FAST_TF32" if tf32 else "COMPUTE_32F")
 
 
 def test_mixed_block_probe_times_gelu_and_relu_layers_in_one_block_on_cpu(tmp_path, capsys):

@@ -30,7 +30,8 @@ With ``--forward`` the same contenders time the block's forward alone (``jax.jit
 Float32 blocks compute what ``fused_dense`` computes by default, full float32 products:
 ``xla`` asks for ``Precision.HIGHEST`` there. ``--tf32`` runs float32 blocks in TF32
 instead (``COMPUTE_32F_FAST_TF32`` for the jax_epilog contenders; ``xla`` at
-``Precision.DEFAULT``, which is TF32 on the GPU and what "auto" runs for that compute type). Results: DIR/mlp_layers.{json,md}.
+``Precision.DEFAULT``, which is TF32 on the GPU and what "auto" runs for that compute
+type). Results: DIR/mlp_layers.{json,md}.
 """
 
 from __future__ import annotations
@@ -68,13 +69,16 @@ class Arithmetic(NamedTuple):
     @classmethod
     def of(cls, dtype: str, tf32: bool = False) -> Arithmetic:
         if dtype != "float32":
-            return cls()
+            return HALF
         if tf32:
             return cls(ComputeType.COMPUTE_32F_FAST_TF32, jax.lax.Precision.DEFAULT)
         return cls(ComputeType.COMPUTE_32F, jax.lax.Precision.HIGHEST)
 
 
-def block(contender: str, activation: str, arithmetic: Arithmetic = Arithmetic()):
+HALF = Arithmetic()  # bfloat16 and float16: float32 accumulation, the expression as written
+
+
+def block(contender: str, activation: str, arithmetic: Arithmetic = HALF):
     ct, precision = arithmetic
     if contender == "xla":
         act = activation_fn(activation)
@@ -116,13 +120,13 @@ def _bgrada_bwd(arithmetic: Arithmetic, residuals, dy):
 _bgrada_layer.defvjp(_bgrada_fwd, _bgrada_bwd)
 
 
-def grad_step(contender: str, activation: str, arithmetic: Arithmetic = Arithmetic()):
+def grad_step(contender: str, activation: str, arithmetic: Arithmetic = HALF):
     f = block(contender, activation, arithmetic)
     loss = lambda *a: 0.5 * jnp.sum(jnp.square(f(*a).astype(jnp.float32)))
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
 
 
-def forward_step(contender: str, activation: str, arithmetic: Arithmetic = Arithmetic()):
+def forward_step(contender: str, activation: str, arithmetic: Arithmetic = HALF):
     return jax.jit(block(contender, activation, arithmetic))
 
 
@@ -147,7 +151,9 @@ def bench(shapes, activations, forward: bool = False, dtypes=("bfloat16",), tf32
 def render(rows) -> str:
     columns = {
         "M×D→4D→D": lambda r: f"{r['shape']} ({r['mode']})",
-        "dtype": lambda r: r["dtype"] + (" (TF32)" if r.get("compute_type") == "COMPUTE_32F_FAST_TF32" else ""),
+        "dtype": lambda r: (
+            r["dtype"] + (" (TF32)" if r.get("compute_type") == "COMPUTE_32F_FAST_TF32" else "")
+        ),
         "act": lambda r: r["activation"],
     }
     return ratio_table(rows, CONTENDERS, columns)
@@ -161,7 +167,9 @@ def main(argv=None):
     parser.add_argument("--shape", nargs=2, type=int, action="append", metavar=("M", "D"))
     parser.add_argument("--activation", nargs="+", choices=("relu", "gelu"), default=["relu"])
     parser.add_argument("--forward", action="store_true", help="time the block's forward alone")
-    parser.add_argument("--dtype", nargs="+", choices=("bfloat16", "float16", "float32"), default=["bfloat16"])
+    parser.add_argument(
+        "--dtype", nargs="+", choices=("bfloat16", "float16", "float32"), default=["bfloat16"]
+    )
     parser.add_argument("--tf32", action="store_true", help="float32 blocks in TF32 (default: full float32)")
     args = parser.parse_args(argv)
     shapes = [tuple(s) for s in args.shape] if args.shape else SHAPES

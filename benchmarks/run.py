@@ -173,13 +173,14 @@ def host_operands(m: int, k: int, n: int, seed: int = 0) -> tuple[np.ndarray, ..
 
 class Inputs:
     """One problem's operands: float32 host arrays and, per framework (on first use), a
-    list of distinct device copies holding the same values: uploaded once, copied on the
-    device."""
+    list of distinct device copies holding the same values (``copies`` of them, by default
+    ``input_copies(case)``): uploaded once, copied on the device."""
 
-    def __init__(self, case: Case, host: tuple[np.ndarray, ...] | None = None):
+    def __init__(self, case: Case, host: tuple[np.ndarray, ...] | None = None, copies: int | None = None):
         self.problem = (case.m, case.k, case.n, case.dtype, case.bias_dtype)
         self.host = host_operands(case.m, case.k, case.n) if host is None else host
-        self.dtype, self.bias_dtype, self.copies = case.dtype, case.bias_dtype, input_copies(case)
+        self.dtype, self.bias_dtype = case.dtype, case.bias_dtype
+        self.copies = input_copies(case) if copies is None else copies
         self._made: dict[str, list] = {}
 
     def _sets(self, framework: str, upload, clone, operands=None) -> list[tuple]:

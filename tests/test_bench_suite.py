@@ -880,6 +880,30 @@ def test_mlp_layers_probe_asks_xla_for_the_fused_arithmetic():
         assert arithmetic.compute_type.name == ("COMPUTE_32F_FAST_TF32" if tf32 else "COMPUTE_32F")
 
 
+def test_per_program_probe_times_one_and_many_layers_per_call_on_cpu(tmp_path, capsys):
+    from benchmarks import run
+    from benchmarks.probes import per_program
+
+    m, k, n = (int(v) for v in np.random.default_rng().integers(9, 40, size=3))
+    case = run.Case(m, k, n, "bfloat16", "bfloat16", "gelu", "fwd")
+    sets = run.Inputs(case, copies=3).jax()
+    assert len(sets) == 3 and len({s[0].unsafe_buffer_pointer() for s in sets}) == 3
+    calls = per_program.jax_calls(case, sets)
+    assert {name: c[2] for name, c in calls.items()} == {"fused": 1, "fused_in_L": 3, "xla": 1, "xla_in_L": 3}
+    many = calls["fused_in_L"][0](0)
+    for i, y in enumerate(many):  # each of the program's layers is the one-layer call's
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(calls["fused"][0](i)))
+    layer = run.jax_program(case, "jax_epilog")
+    jaxpr = str(jax.make_jaxpr(lambda sets: [layer(*s) for s in sets])(sets))
+    assert jaxpr.count("jax_epilog_fused_matmul") == 3
+    argv = ["--cpu-smoke", "--shape", "640", "256", "128", "--activation", "relu", "--layers", "2"]
+    per_program.main([*argv, "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "per_program.json").read_text())["rows"]
+    assert [(r["shape"], r["order"]) for r in rows] == [("10x4->2", "listed"), ("10x4->2", "reversed")]
+    assert all(r[f"{c}_us"] > 0 for r in rows for c in ("fused", "fused_in_L", "xla", "xla_in_L"))
+    assert "| nvmath/fused | nvmath/fused_in_L |" in capsys.readouterr().out
+
+
 def test_mixed_block_probe_times_gelu_and_relu_layers_in_one_block_on_cpu(tmp_path, capsys):
     from benchmarks.probes import mixed_block
 

@@ -21,7 +21,7 @@ from ._epilogs import (
     valid_compute_types,
 )
 from ._primitive import fused_matmul, fused_weight_grad
-from ._sharding import like
+from ._sharding import fold_rows, like, needs_transpose
 
 __all__ = ["fused_dense"]
 
@@ -100,7 +100,7 @@ def _compute_type(value, dtype: str, f32_bias: bool, owner: str = "fused_dense")
     if not isinstance(value, (str, enum.Enum)) or name not in ComputeType.__members__:
         raise ValueError(
             f"{owner}: unknown compute_type {value!r}; pass a MatmulComputeType or its "
-            f"name, one of {[c.name for c in ComputeType]}."
+            f"name; allowed for {dtype} operands: {[c.name for c in valid]}."
         )
     ct = ComputeType[name]
     if ct not in valid:
@@ -134,7 +134,8 @@ def fused_dense(
       compute_type: a ``nvmath.linalg.advanced.MatmulComputeType`` (or
         ``jax_epilog.ComputeType``) member or its name. Default: ``COMPUTE_32F`` (float32
         accumulation) for float16, bfloat16 and float32; ``COMPUTE_64F`` for float64.
-        float32 also accepts ``COMPUTE_32F_FAST_TF32`` (and ``_FAST_16F``/``_FAST_16BF``).
+        float32 also accepts ``COMPUTE_32F_FAST_TF32`` (and ``_FAST_16F``/``_FAST_16BF``),
+        float16 ``COMPUTE_16F``; each type also as its ``_PEDANTIC`` form where cuBLAS has one.
       return_aux: also return the epilog's auxiliary output, which the backward pass uses:
         for ReLU a uint8 bit-mask of shape (..., round_up(N, 128) // 8) where bit ``j % 8``
         of byte ``j // 8`` is ``z[..., j] > 0``; for GELU the pre-activation ``z`` of shape
@@ -143,7 +144,8 @@ def fused_dense(
         ``"cublaslt"``: the fused cuBLASLt kernel on a GPU, and the backward below.
         ``"xla"``: the plain expression ``act(x @ kernel + bias)``, compiled and
         differentiated by XLA as if jax_epilog were not there (half dtypes round after
-        each step, as XLA does; ``compute_type`` may only choose TF32 or full float32).
+        each step, as XLA does; ``compute_type`` only as XLA can follow it: COMPUTE_32F,
+        COMPUTE_32F_FAST_TF32, COMPUTE_64F, or a ``_PEDANTIC`` form of the first or last).
         ``"auto"``: whichever measured faster on the H200 (benchmarks/README.md):
         cuBLASLt for the forward of large bfloat16 and float16 GELU and ReLU layers
         (M >= 1024 rows and M*N*K >= 2**33) and for anything the XLA expression cannot
@@ -157,14 +159,17 @@ def fused_dense(
     Returns:
       ``y`` of shape (..., N) in ``x``'s dtype, or ``(y, aux)`` with ``return_aux=True``.
 
-    Numerics: the product is accumulated in the compute type; bias and activation are
-    applied to that accumulator and the result is rounded to ``x``'s dtype (the CPU path
-    rounds once; on the H200 cuBLASLt's epilog was measured to round the accumulator to the
-    output dtype before the bias and to use a fast tanh for GELU: about one unit in the
-    last place of ``z``, ~5e-6 absolute for float32 GELU). A float32
-    bias with half operands keeps exact float32 semantics, ``cast(act(x @ kernel + bias))``
-    with the sum in float32: the GEMM writes a float32 D with the epilog fused (cuBLASLt
-    refuses a float32 bias beside a half D) and XLA casts it; the GELU aux is then float32.
+    Numerics of the fused op (``"cublaslt"``, and ``"auto"`` where it runs cuBLASLt): the
+    product is accumulated in the compute type; bias and activation are applied to that
+    accumulator and the result is rounded to ``x``'s dtype (the CPU path rounds once; on
+    the H200 cuBLASLt's epilog was measured to round the accumulator to the output dtype
+    before the bias and to use a fast tanh for GELU: about one unit in the last place of
+    ``z``, ~5e-6 absolute for float32 GELU). A float32 bias with half operands keeps exact
+    float32 semantics, ``cast(act(x @ kernel + bias))`` with the sum in float32: the GEMM
+    writes a float32 D with the epilog fused (cuBLASLt refuses a float32 bias beside a half
+    D) and XLA casts it; the GELU aux is then float32. Where ``"auto"`` and ``"xla"`` run
+    XLA's expression, the numerics are that expression's: half dtypes round after the
+    matmul (also before a float32 bias is added), the bias and the activation.
 
     float64 runs on XLA's path everywhere (cuBLASLt has no float64 epilogs), as do a
     problem with an empty dimension, a single row with a float32 bias beside half operands
@@ -189,11 +194,21 @@ def fused_dense(
     """
     _check_array(x, "x")
     act, dtype, ct, f32_bias = check_layer("fused_dense", x.shape, x, kernel, bias, activation, compute_type)
+    if not isinstance(return_aux, (bool, np.bool_)):
+        raise TypeError(f"fused_dense: return_aux must be True or False, got {return_aux!r}.")
     k, n = kernel.shape
     impl = _implementation(implementation, ct, return_aux)
     m = math.prod(x.shape[:-1])
     if impl == "auto":
-        impl = "cublaslt" if return_aux or ct not in _XLA_COMPUTE_TYPES else None
+        # What XLA's expression cannot compute runs on cuBLASLt; a large layer runs the fused
+        # kernel's forward with XLA's derivatives (not where explicit sharding would have x
+        # transposed to fold its rows: not measured); everything else is XLA's expression.
+        if return_aux or ct not in _XLA_COMPUTE_TYPES:
+            impl = "cublaslt"
+        elif _auto_fuses(act, dtype, m, n, k) and not needs_transpose(x, x.ndim - 1):
+            impl = "fused forward"
+        else:
+            impl = "xla"
 
     config = _Config(
         activation=act,
@@ -202,17 +217,15 @@ def fused_dense(
         bias_dtype=None if bias is None else _dtype_name(bias),
         return_aux=return_aux,
     )
-    lead = x.shape[:-1]
-    x2 = x.reshape(m, k)
-    if impl == "xla" or (impl is None and not _auto_fuses(act, dtype, m, n, k)):
-        return _plain(x2, kernel, bias, config).reshape(*lead, n)
-    if impl is None:  # "auto" on a large layer: fused forward, XLA's derivatives
-        return _fused_forward_xla_derivatives(x2, kernel, bias, config).reshape(*lead, n)
+    if impl == "xla":
+        return _plain(x, kernel, bias, config)  # the user's expression, leading dimensions and all
+    x2, unfold = fold_rows(x, x.ndim - 1)
+    if impl == "fused forward":
+        return unfold(_fused_forward_xla_derivatives(x2, kernel, bias, config))
     y, aux = _dense(x2, kernel, bias, config)
-    y = y.reshape(*lead, n)
     if not return_aux:
-        return y
-    return y, (None if aux is None else aux.reshape(*lead, aux.shape[-1]))
+        return unfold(y)
+    return unfold(y), (None if aux is None else unfold(aux))
 
 
 _IMPLEMENTATIONS = ("auto", "cublaslt", "xla")
@@ -266,6 +279,8 @@ def _auto_fuses(activation: Activation | None, dtype: str, m: int, n: int, k: in
     the four 8192-row shapes, bfloat16 1.01-1.58x). Not float32: at 8192x1024->4096 the
     fused kernel tied XLA with full float32 (1.00x) and with TF32 lost for GELU (0.95x:
     cuBLASLt's TF32 GELU kernel took 318 µs, XLA's GEMM and GELU pass 301)."""
+    if not all(isinstance(size, int) for size in (m, n, k)):  # symbolic (jax.export): unknown
+        return False
     return activation is not None and dtype in _AUTO_DTYPES and m >= 1024 and m * n * k >= 2**33
 
 

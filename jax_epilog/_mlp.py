@@ -37,7 +37,7 @@ from ._dense import (
 )
 from ._epilogs import Activation, ComputeType, aux_padded_width
 from ._primitive import fused_gelu_input_grad, fused_matmul
-from ._sharding import like
+from ._sharding import fold_rows, like, needs_transpose
 
 __all__ = ["fused_mlp"]
 
@@ -154,12 +154,18 @@ def fused_mlp(
         checked.append((act, ct, f32_bias))
         shape = (*shape[:-1], kernel.shape[1])
 
-    lead, m = x.shape[:-1], math.prod(x.shape[:-1])
-    gelu_feeds_a_layer = any(act is Activation.GELU for act, _, _ in checked[:-1])
-    # "auto"'s cuBLASLt rules below hold in the dtypes they were measured in.
-    auto = impl == "auto" and dtype in _AUTO_DTYPES
-    link = gelu_feeds_a_layer and (impl == "cublaslt" or (auto and m >= _AUTO_LINK_MIN_ROWS))
+    m = math.prod(x.shape[:-1])
     ks = [x.shape[-1], *(kernel.shape[1] for kernel, _ in layers)]
+    gelu_feeds_a_layer = any(act is Activation.GELU for act, _, _ in checked[:-1])
+    # "auto"'s cuBLASLt rules below hold in the dtypes they were measured in, and need the
+    # sizes (not symbolic ones: jax.export) and rows that fold without a transpose.
+    auto = (
+        impl == "auto"
+        and dtype in _AUTO_DTYPES
+        and all(isinstance(size, int) for size in (m, *ks))
+        and not needs_transpose(x, x.ndim - 1)
+    )
+    link = gelu_feeds_a_layer and (impl == "cublaslt" or (auto and m >= _AUTO_LINK_MIN_ROWS))
     # With "auto", the large layers (_auto_fuses) whose fused backward measured faster than
     # XLA's autodiff in a block: GELU layers (linked, above), and ReLU layers whose output a
     # GEMM reads: the next layer's. Their mask backward read 1.04-1.06x XLA's in a ReLU block
@@ -204,8 +210,8 @@ def fused_mlp(
     config = _Config(layers=tuple(configs), fused_wgrad=impl == "cublaslt")
     kernels = tuple(kernel for kernel, _ in layers)
     biases = tuple(bias for _, bias in layers)
-    y = _mlp(x.reshape(m, x.shape[-1]), kernels, biases, config)
-    return y.reshape(*lead, y.shape[-1])
+    x2, unfold = fold_rows(x, x.ndim - 1)
+    return unfold(_mlp(x2, kernels, biases, config))
 
 
 def _pairs(layers, activations):

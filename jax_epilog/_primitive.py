@@ -27,7 +27,7 @@ from jax.interpreters import batching, mlir
 
 from . import _reference
 from ._epilogs import Activation, ComputeType, EpilogSpec, aux_dtype, aux_padded_width, epilog_name
-from ._sharding import Layout, partitioned_lowering, typed
+from ._sharding import Layout, fold_rows, partitioned_lowering, typed, whole_first
 
 __all__ = ["FastPathWarning", "fused_gelu_input_grad", "fused_matmul", "fused_weight_grad"]
 
@@ -99,14 +99,16 @@ def _reference_impl(x, kernel, *bias, activation, with_aux, compute_type, d_dtyp
 
 
 def _impl_of(primitive: Primitive):
-    """Eager calls run the primitive jitted, compiled once per parameter set."""
+    """Eager calls run the primitive jitted, compiled once per parameter set (also under
+    ``jax.disable_jit()``, whose jit would bind the primitive again: endlessly)."""
 
     @functools.cache
     def jitted(params: tuple) -> callable:
         return jax.jit(functools.partial(primitive.bind, **dict(params)))
 
     def impl(*args, **params):
-        return jitted(tuple(sorted(params.items())))(*args)
+        with jax.disable_jit(False):
+            return jitted(tuple(sorted(params.items())))(*args)
 
     return impl
 
@@ -150,10 +152,19 @@ def _fast_path_refusal(spec: EpilogSpec) -> str | None:
     return None
 
 
+def _symbolic(*avals) -> bool:
+    """Whether a shape has a symbolic dimension (``jax.export``'s shape polymorphism)."""
+    return not all(isinstance(d, int) for a in avals for d in a.shape)
+
+
 def _lower_fused_or_reference(ctx, args, spec, reference, params, fused):
     """Lower ``fused`` (which emits our custom call for ``spec``) when cuBLASLt takes
     ``spec``; else ``reference``: silently for ``spec=None`` (a documented XLA case:
-    float64, an empty dimension), with one FastPathWarning for a refusal."""
+    float64, an empty dimension), with one FastPathWarning for a refusal or for symbolic
+    shapes (a plan needs its sizes)."""
+    if _symbolic(*ctx.avals_in):
+        _warn_once("symbolic shapes (jax.export's shape polymorphism): a cuBLASLt plan needs sizes")
+        return reference(ctx, *args, **params)
     if spec is not None:
         refusal = _fast_path_refusal(spec)
         if refusal is None:
@@ -179,10 +190,12 @@ def _cuda_lowering(ctx, x, kernel, *bias, activation, with_aux, compute_type, d_
     spec = None
     # One row with a float32 D beside half operands (a float32 bias): cuBLASLt 13.1 plans it,
     # then refuses every launch (CUBLAS_STATUS_INVALID_VALUE, measured on the H200), so XLA
-    # computes it.
-    one_row_f32_d = x_aval.shape[0] == 1 and np.dtype(d_dtype) != np.dtype(x_aval.dtype)
-    if np.dtype(x_aval.dtype) != np.float64 and 0 not in (*x_aval.shape, k_aval.shape[1]) and not one_row_f32_d:
-        spec = spec_of(x_aval, k_aval, b_aval, activation, with_aux, compute_type, d_dtype)
+    # computes it. (Symbolic shapes: _lower_fused_or_reference.)
+    if not _symbolic(*ctx.avals_in):
+        one_row_f32_d = x_aval.shape[0] == 1 and np.dtype(d_dtype) != np.dtype(x_aval.dtype)
+        empty = 0 in (*x_aval.shape, k_aval.shape[1])
+        if np.dtype(x_aval.dtype) != np.float64 and not empty and not one_row_f32_d:
+            spec = spec_of(x_aval, k_aval, b_aval, activation, with_aux, compute_type, d_dtype)
 
     def fused(x, kernel, *bias):
         from . import _ffi
@@ -204,19 +217,20 @@ def _batch(args, dims, **params):
     not_mapped = None  # batching.not_mapped
     if k_dim is not_mapped and all(d is not_mapped for d in b_dims):
         # Shared weights: fold the batch into the GEMM's rows, one call.
-        x = jnp.moveaxis(x, x_dim, 0)
-        batch, m, k = x.shape
-        outs = fused_matmul_p.bind(x.reshape(batch * m, k), kernel, *bias, **params)
-        return [o.reshape(batch, m, *o.shape[1:]) for o in outs], [0] * len(outs)
+        rows, unfold = fold_rows(jnp.moveaxis(x, x_dim, 0), 2)
+        outs = fused_matmul_p.bind(rows, kernel, *bias, **params)
+        return [unfold(o) for o in outs], [0] * len(outs)
     # Batched weights (an ensemble): one fused call per member, in a loop.
     return _map_over_batch(fused_matmul_p, args, dims, **params)
 
 
 def _map_over_batch(primitive: Primitive, args, dims, **params):
-    """A batching rule that binds ``primitive`` once per batch member, in a lax.map loop."""
+    """A batching rule that binds ``primitive`` once per batch member, in a lax.map loop.
+    Over several devices every device runs every member: members split over devices are
+    gathered first (under ``shard_map`` each device maps over its own)."""
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     stacked = [
-        jnp.broadcast_to(a, (size, *a.shape)) if d is None else jnp.moveaxis(a, d, 0)
+        jnp.broadcast_to(a, (size, *a.shape)) if d is None else whole_first(jnp.moveaxis(a, d, 0))
         for a, d in zip(args, dims)
     ]
     outs = jax.lax.map(lambda ops: primitive.bind(*ops, **params), stacked)
@@ -269,7 +283,8 @@ def _wgrad_cuda_lowering(ctx, x, dz, *, compute_type, d_dtype):
     spec = None
     # K = 1: cuBLASLt 13.1 plans a BGRADA GEMM with one output row but then refuses to
     # run it (CUBLAS_STATUS_INVALID_VALUE, measured on the H200), so XLA computes it.
-    if np.dtype(x_aval.dtype) != np.float64 and 0 not in (m, k, n) and k != 1:
+    runs = np.dtype(x_aval.dtype) != np.float64 and 0 not in (m, k, n) and k != 1
+    if not _symbolic(*ctx.avals_in) and runs:
         dt = np.dtype(d_dtype).name
         spec = EpilogSpec(
             m=int(m), n=int(n), k=int(k), epilog="BGRADA",
@@ -338,10 +353,12 @@ def _igrad_cuda_lowering(ctx, dz, kernel, aux, *, compute_type):
     dz_aval, k_aval, aux_aval = ctx.avals_in
     (m, n), k = dz_aval.shape, k_aval.shape[0]
     spec = None
+    params = dict(compute_type=compute_type)
     # n = 1 is a GEMM with an inner dimension of 1, which nvmath refuses for DGELU epilogs;
     # m = 1 (one row) cuBLASLt 13.1 plans, then refuses at every launch (measured on the
     # H200). XLA computes both.
-    if np.dtype(dz_aval.dtype) != np.float64 and 0 not in (m, k, n) and n != 1 and m != 1:
+    runs = np.dtype(dz_aval.dtype) != np.float64 and 0 not in (m, k, n) and 1 not in (m, n)
+    if not _symbolic(*ctx.avals_in) and runs:
         spec = EpilogSpec(
             m=int(m), n=int(n), k=int(k), epilog="DGELU",
             compute_type=ComputeType(compute_type).name, ab_dtype=np.dtype(dz_aval.dtype).name,
@@ -353,7 +370,6 @@ def _igrad_cuda_lowering(ctx, dz, kernel, aux, *, compute_type):
 
         return _ffi.call((dz, kernel, aux), _results(ctx.avals_out), spec)
 
-    params = dict(compute_type=compute_type)
     return _lower_fused_or_reference(ctx, (dz, kernel, aux), spec, _igrad_reference_lowering, params, fused)
 
 
@@ -375,10 +391,9 @@ def _igrad_batch(args, dims, **params):
         jnp.broadcast_to(a, (size, *a.shape)) if d is None else jnp.moveaxis(a, d, 0)
         for a, d in ((dz, dz_dim), (aux, aux_dim))
     )
-    (out,) = fused_gelu_input_grad_p.bind(
-        dz.reshape(-1, dz.shape[-1]), kernel, aux.reshape(-1, aux.shape[-1]), **params
-    )
-    return [out.reshape(size, -1, out.shape[-1])], [0]
+    (dz, unfold), (aux, _) = fold_rows(dz, 2), fold_rows(aux, 2, order_of=dz)
+    (out,) = fused_gelu_input_grad_p.bind(dz, kernel, aux, **params)
+    return [unfold(out)], [0]
 
 
 batching.primitive_batchers[fused_gelu_input_grad_p] = _igrad_batch

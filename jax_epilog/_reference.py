@@ -48,6 +48,11 @@ def pack_relu_mask(z: jax.Array) -> jax.Array:
 
 def unpack_relu_mask(mask: jax.Array, n: int) -> jax.Array:
     """Inverse of ``pack_relu_mask``: a bool array of shape (..., n)."""
+    if not 0 <= n <= mask.shape[-1] * 8:
+        raise ValueError(
+            f"unpack_relu_mask: n={n} does not fit a mask of shape {mask.shape} "
+            f"(allowed: 0 <= n <= {mask.shape[-1] * 8}, its bits per row)."
+        )
     if mask.size == 0:  # jnp.unpackbits cannot reshape an empty array
         return jnp.zeros((*mask.shape[:-1], n), bool)
     return jnp.unpackbits(mask, axis=-1, count=n, bitorder="little").astype(bool)
@@ -105,7 +110,8 @@ def plain(
     """``act(x @ kernel + bias)`` as users write it, for XLA to compile (and differentiate)
     its own way: XLA's rounding (after the matmul, the bias and the activation for half
     dtypes), float32 products in full precision unless ``tf32``. Result in x's dtype."""
-    return activate(plain_preactivation(x, kernel, bias, tf32), activation).astype(x.dtype)
+    dtype = jax.dtypes.canonicalize_dtype(x.dtype)  # (a NumPy float64 x is float32 without x64)
+    return activate(plain_preactivation(x, kernel, bias, tf32), activation).astype(dtype)
 
 
 def plain_preactivation(x: jax.Array, kernel: jax.Array, bias: jax.Array | None, tf32: bool) -> jax.Array:

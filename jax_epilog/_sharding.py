@@ -22,8 +22,9 @@ are gathered too. On a single device, and inside ``shard_map`` (where every devi
 holds its own block), the primitive lowers directly: custom_partitioning adds nothing there.
 
 Under explicit sharding an array's type names its sharding: ``typed`` gives the
-primitives' results the types this rule makes, and ``like`` gives each gradient its
-primal's type.
+primitives' results the types this rule makes, ``like`` gives each gradient its
+primal's type, and ``fold_rows`` folds leading dimensions into the rows in an order such a
+type allows.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ import math
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.interpreters import mlir
 from jax.sharding import NamedSharding, PartitionSpec
@@ -41,7 +44,10 @@ try:  # jit hands a lowering its devices only for the primitives in this set (pr
 except ImportError:  # a jax without it: the primitives lower whole (XLA gathers; correct)
     _NEEDS_DEVICES = None
 
-__all__ = ["Layout", "explicit_product", "like", "partitioned_lowering", "typed"]
+__all__ = [
+    "Layout", "explicit_product", "fold_rows", "like", "needs_transpose", "partitioned_lowering", "typed",
+    "whole_first",
+]  # fmt: skip
 
 
 class Layout(NamedTuple):
@@ -223,6 +229,55 @@ def explicit_product(a, b, a_dim: int, b_dim: int) -> NamedSharding | None:
     if set(first) & set(second):
         second = ()
     return _sharding(sa.mesh, 2, {d: axes for d, axes in ((0, first), (1, second)) if axes})
+
+
+def fold_rows(x, count: int, order_of=None):
+    """``x`` with its first ``count`` dimensions folded into one (a GEMM's rows), and the
+    function that unfolds a result's first dimension back into them.
+
+    Under explicit sharding a reshape merges dimensions only where the split ones lead
+    (x of type (2, 8@seq, K) cannot become (16, K), but (8@seq, 2, K) becomes (16@seq, K)),
+    so split dimensions move to the front first and back after (two transposes); elsewhere
+    this is a reshape. ``order_of``: fold in the order that array's sharding asks for
+    instead (so that two operands' rows stay paired)."""
+    order = _split_first(x if order_of is None else order_of, count)
+    moved = order != tuple(range(count))
+    if moved:
+        x = jnp.transpose(x, (*order, *range(count, x.ndim)))
+    lead = x.shape[:count]
+    folded = x.reshape(math.prod(lead), *x.shape[count:])
+    back = tuple(int(i) for i in np.argsort(order))
+
+    def unfold(y):
+        y = y.reshape(*lead, *y.shape[1:])
+        return jnp.transpose(y, (*back, *range(count, y.ndim))) if moved else y
+
+    return folded, unfold
+
+
+def whole_first(x):
+    """``x`` with its first dimension whole: resharded where explicit sharding splits it
+    (``lax.map`` over a split dimension is refused there)."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    if not _explicit(sharding) or not _axes(sharding, 0):
+        return x
+    spec = (None, *tuple(sharding.spec)[1:])
+    return jax.sharding.reshard(x, NamedSharding(sharding.mesh, PartitionSpec(*spec)))
+
+
+def needs_transpose(x, count: int) -> bool:
+    """Whether ``fold_rows(x, count)`` transposes ``x`` (explicit sharding splits one of
+    those dimensions after one it leaves whole)."""
+    return _split_first(x, count) != tuple(range(count))
+
+
+def _split_first(x, count: int) -> tuple[int, ...]:
+    dims = tuple(range(count))
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    if count < 2 or not _explicit(sharding):
+        return dims
+    split = tuple(d for d in dims if _axes(sharding, d))
+    return (*split, *(d for d in dims if d not in split))
 
 
 def _explicit(sharding) -> bool:

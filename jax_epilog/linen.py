@@ -22,12 +22,15 @@ It is a drop-in for ``nn.Dense``:
 
 Differences from ``nn.Dense``:
 
-* **Numerics.** The product is accumulated in float32 (float64 for float64 inputs); the bias
-  and activation are applied to that accumulator and the result is rounded to the compute
-  dtype (once on the CPU path; see :func:`jax_epilog.fused_dense` for the GPU epilog's own
-  rounding). ``nn.Dense`` + activation with a bfloat16/float16 ``dtype`` rounds after
-  the matmul, after the bias add and after the activation, so the two differ by about one
-  unit in the last place of the output dtype. In float32 they agree to rounding.
+* **Numerics.** Where ``implementation="auto"`` (the default) runs XLA's expression (no
+  activation, float32, small layers), the result is ``nn.Dense`` + activation's own. The
+  fused op (``"cublaslt"``, and ``"auto"`` on large bfloat16/float16 layers) accumulates the
+  product in float32 (float64 for float64 inputs), applies the bias and activation to that
+  accumulator and rounds the result to the compute dtype (once on the CPU path; see
+  :func:`jax_epilog.fused_dense` for the GPU epilog's own rounding), where ``nn.Dense`` +
+  activation with a bfloat16/float16 ``dtype`` rounds after the matmul, after the bias add
+  and after the activation: the two differ by about one unit in the last place of the
+  output dtype. In float32 they agree to rounding.
 * **precision.** ``fused_dense`` takes a cuBLAS compute type, not a ``jax.lax.Precision``.
   ``precision=None`` or ``DEFAULT`` uses ``compute_type`` (default: ``COMPUTE_32F``, full
   float32 accumulation, no TF32; ``COMPUTE_64F`` for float64; note that on Ampere and newer

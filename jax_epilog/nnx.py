@@ -29,9 +29,9 @@ default full-precision compute types and raise ``ValueError`` at call time besid
 ``compute_type`` below them; anything else raises ``ValueError``. Forward-mode
 autodiff (``jax.jvp``) works as in :mod:`jax_epilog.linen` (with ``"auto"`` and
 ``"xla"``; ``"cublaslt"`` raises); ``jax.grad``, ``nnx.jit``, ``nnx.grad``, ``nnx.vmap``,
-``nnx.scan`` and ``nnx.remat`` work. Numerics differ from ``nnx.Linear`` + activation in
-half precision by about one unit in the last place (one rounding instead of three; see
-:mod:`jax_epilog.linen`).
+``nnx.scan`` and ``nnx.remat`` work. Numerics: ``nnx.Linear`` + activation's own where
+``"auto"`` runs XLA's expression; the fused op differs from it in half precision by about
+one unit in the last place (one rounding instead of three; see :mod:`jax_epilog.linen`).
 
 Example::
 

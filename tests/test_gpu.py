@@ -118,10 +118,15 @@ def test_seed_case_fp16_with_fp32_bias_is_fused_and_exact(rng, activation):
     assert TARGET_NAME in jit_dense.lower(x, w, b, activation=activation).as_text()
     y = f(x, w, b)
     assert y.dtype == jnp.float16
-    # float32 bias semantics: one rounding of act(x @ w + b) computed in float32.
+    # float32 bias semantics: one rounding of act(x @ w + b) computed in float32. Outputs
+    # equal to that rounding, on the H200 (benchmarks/results/2026-12-04-h200-z-*): all but
+    # 0.02% (ReLU) and 2.0-2.3% (GELU: cuBLASLt's fast tanh); with the bias rounded to
+    # float16 before the add, 12-14% and 28-32% differ, which the fractions below refuse.
     ref = jax.nn.relu if activation == "relu" else functools.partial(jax.nn.gelu, approximate=True)
     exact = ref(jnp.dot(x, w, preferred_element_type=jnp.float32) + b).astype(jnp.float16)
-    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(exact, np.float32), rtol=2e-3, atol=2e-3)
+    got, want = np.asarray(y, np.float32), np.asarray(exact, np.float32)
+    np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3)
+    assert np.mean(got != want) <= (0.01 if activation == "relu" else 0.08)
     _, aux = f(x, w, b, return_aux=True)
     if activation == "gelu":
         assert aux.dtype == jnp.float32
@@ -393,7 +398,10 @@ def test_gelu_input_grad_matches_nvmath_dgelu_directly(rng, dtype, aux_dtype):
     dh = np.asarray(dz, np.float64) @ np.asarray(w, np.float64).T
     t = np.sqrt(2 / np.pi) * (z + 0.044715 * z**3)
     dgelu = 0.5 * (1 + np.tanh(t)) + 0.5 * z * (1 - np.tanh(t) ** 2) * np.sqrt(2 / np.pi) * (1 + 3 * 0.044715 * z**2)
-    tol = TOL["tf32" if aux_dtype == "float32" else aux_dtype] * 2
+    # Largest errors over five draws on the H200 (benchmarks/results/2026-12-04-h200-z-*),
+    # against the oracle: 3.9e-3 (bfloat16), 5.7e-4 (float16), 5.7e-6 and 6.4e-6 (float32
+    # aux); against nvmath 0 but for float16 (2.2e-4).
+    tol = TOL[aux_dtype] * 2 if aux_dtype == "float32" else TOL[aux_dtype]
     _assert_close(got, nv, tol)
     _assert_close(got, dh * dgelu, tol)
 

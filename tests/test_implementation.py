@@ -38,6 +38,13 @@ def test_unknown_implementation_names_the_allowed_ones(rng, bad):
         fused_dense(x, w, b, implementation=bad)
 
 
+@pytest.mark.parametrize("bad", ["no", 1, None])
+def test_return_aux_must_be_a_bool(rng, bad):
+    x, w, b = _inputs(rng, 3, 5, 7)
+    with pytest.raises(TypeError, match=rf"return_aux must be True or False, got {bad!r}"):
+        fused_dense(x, w, b, activation="relu", return_aux=bad)
+
+
 def test_xla_cannot_return_the_aux(rng):
     x, w, b = _inputs(rng, 3, 5, 7)
     with pytest.raises(ValueError, match=r"return_aux=True .*allowed with return_aux: \('auto', 'cublaslt'\)"):
@@ -67,15 +74,16 @@ def test_plain_expression_values_grads_and_forward_mode(rng, activation, impleme
     jax.jvp(lambda x: f(x, w, b), (x,), (x,))  # forward mode works here
 
 
+@pytest.mark.parametrize("x_shape", [(37, 19), (3, 5, 19)], ids=str)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("activation", ["relu", "gelu", None])
 @pytest.mark.parametrize("implementation", ["xla", "auto"])
-def test_half_precision_plain_path_is_the_users_program(dtype, activation, implementation):
+def test_half_precision_plain_path_is_the_users_program(dtype, activation, implementation, x_shape):
     """Where "auto" or "xla" run XLA's expression, XLA compiles the very program users
-    write (default precision included), so the benchmarks' "auto" and "xla" rows time one
-    executable and "auto" inherits every choice XLA makes for it."""
+    write (default precision and leading dimensions included), so the benchmarks' "auto"
+    and "xla" rows time one executable and "auto" inherits every choice XLA makes for it."""
     act = {"relu": jax.nn.relu, "gelu": functools.partial(jax.nn.gelu, approximate=True), None: lambda z: z}
-    args = [jax.ShapeDtypeStruct(s, dtype) for s in ((37, 19), (19, 11), (11,))]
+    args = [jax.ShapeDtypeStruct(s, dtype) for s in (x_shape, (19, 11), (11,))]
     ours = lambda x, w, b: fused_dense(x, w, b, activation=activation, implementation=implementation)
     users = lambda x, w, b: act[activation](x @ w + b)
     text = [jax.jit(f).lower(*args).as_text(debug_info=False) for f in (ours, users)]  # both "jit__lambda"

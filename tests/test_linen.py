@@ -56,10 +56,10 @@ def value_and_grads(apply, params, x, ct):
 
 @pytest.mark.parametrize("use_bias", [True, False])
 @pytest.mark.parametrize("activation", ACTIVATIONS)
-@pytest.mark.parametrize("x_shape", [(8, 16), (2, 5, 16)], ids=["2d", "3d"])
+@pytest.mark.parametrize("x_shape", [(11, 19), (2, 5, 19)], ids=["2d", "3d"])
 def test_matches_dense_float32(rng, activation, use_bias, x_shape):
     key = jax.random.key(int(rng.integers(2**31)))
-    features = 12
+    features = 13
     layer = FusedDense(features, use_bias=use_bias, activation=activation)
     probe = jnp.zeros(x_shape, jnp.float32)
     params = layer.init(key, probe)
@@ -67,7 +67,7 @@ def test_matches_dense_float32(rng, activation, use_bias, x_shape):
     assert_same_tree(params, twin_params)
     expected_keys = {"kernel", "bias"} if use_bias else {"kernel"}
     assert set(params["params"]) == expected_keys
-    assert params["params"]["kernel"].shape == (16, features)
+    assert params["params"]["kernel"].shape == (19, features)
 
     # Non-zero bias so that it matters.
     params = perturb(rng, params)
@@ -93,8 +93,8 @@ def test_matches_dense_float32(rng, activation, use_bias, x_shape):
 @pytest.mark.parametrize("x_dtype", ["float32", "bfloat16"])
 def test_dtypes_match_dense(rng, x_dtype, dtype, param_dtype, activation):
     key = jax.random.key(int(rng.integers(2**31)))
-    kwargs = {"features": 24, "dtype": dtype, "param_dtype": param_dtype}
-    probe = jnp.zeros((16, 32), x_dtype)
+    kwargs = {"features": 23, "dtype": dtype, "param_dtype": param_dtype}
+    probe = jnp.zeros((15, 33), x_dtype)
     params = FusedDense(**kwargs, activation=activation).init(key, probe)
     assert_same_tree(params, nn.Dense(**kwargs).init(key, probe))
     params = perturb(rng, params)
@@ -103,7 +103,7 @@ def test_dtypes_match_dense(rng, x_dtype, dtype, param_dtype, activation):
     compute = jax.eval_shape(ref_apply, params, probe).dtype  # the twin's promoted dtype
     p = params["params"]
     x = draw_x(rng, probe.shape, p["kernel"], p["bias"], x_dtype, compute)
-    ct = rng.standard_normal((16, 24)).astype(np.float32)
+    ct = rng.standard_normal((15, 23)).astype(np.float32)
 
     layer = FusedDense(**kwargs, activation=activation)
     y, dparams, dx = value_and_grads(layer.apply, params, x, ct)  # eager: fast to run, jit is tested above
@@ -126,6 +126,7 @@ def test_float64(rng):
     layer = FusedDense(5, activation="gelu")
     params = layer.init(key, x)
     assert params["params"]["kernel"].dtype == jnp.float32  # param_dtype stays float32
+    params = perturb(rng, params)  # a non-zero bias, so that it matters
     y = layer.apply(params, x)
     assert y.dtype == jnp.float64
     assert_near(y, twin("gelu", features=5)(params, x), TOL["float64"])
@@ -146,9 +147,9 @@ def test_float64(rng):
     ],
 )
 def test_precision_accepted(rng, precision):
-    x = rng.standard_normal((4, 8)).astype(np.float32)
-    key = jax.random.key(0)
-    params = FusedDense(3).init(key, x)
+    x = rng.standard_normal((5, 11)).astype(np.float32)
+    key = jax.random.key(int(rng.integers(2**31)))
+    params = perturb(rng, FusedDense(3).init(key, x))
     y = FusedDense(3, precision=precision, activation="relu").apply(params, x)
     assert_near(y, twin("relu", features=3, precision=precision)(params, x), TOL["float32"])
 
@@ -171,8 +172,8 @@ def test_precision_refused(precision, compute_type, match):
 
 
 def test_compute_type(rng):
-    x = rng.standard_normal((4, 8)).astype(np.float32)
-    params = FusedDense(3).init(jax.random.key(0), x)
+    x = rng.standard_normal((5, 11)).astype(np.float32)
+    params = perturb(rng, FusedDense(3).init(jax.random.key(int(rng.integers(2**31))), x))
     y = FusedDense(3, compute_type="COMPUTE_32F_FAST_TF32").apply(params, x)
     assert_near(y, twin(None, features=3)(params, x), 1e-2)  # TF32 on a GPU
     y = FusedDense(3, precision="tensorfloat32", compute_type="COMPUTE_32F_FAST_TF32").apply(params, x)
@@ -220,13 +221,14 @@ class MLP(nn.Module):
 
 
 def test_mlp_tree_and_outputs_match(rng):
-    x = rng.standard_normal((8, 6)).astype(np.float32)
+    x = rng.standard_normal((9, 6)).astype(np.float32)
     key = jax.random.key(int(rng.integers(2**31)))
-    params = MLP(fused=True).init(key, x)
-    twin_params = MLP(fused=False).init(key, x)
-    assert_same_tree(params, twin_params)
+    fused, dense = MLP(hidden=29, out=5, fused=True), MLP(hidden=29, out=5, fused=False)
+    params = fused.init(key, x)
+    assert_same_tree(params, dense.init(key, x))
     assert set(params["params"]) == {"fc1", "fc2", "head"}
-    assert_near(MLP(fused=True).apply(params, x), MLP(fused=False).apply(params, x), TOL["float32"])
+    params = perturb(rng, params)  # non-zero biases, so that they matter
+    assert_near(fused.apply(params, x), dense.apply(params, x), TOL["float32"])
 
 
 def test_autonames_differ(rng):
@@ -351,6 +353,7 @@ def test_nn_vmap_ensemble(rng):
     key = jax.random.key(int(rng.integers(2**31)))
     params = ensemble(True).init(key, x)
     assert_same_tree(params, ensemble(False).init(key, x))
+    params = perturb(rng, params)  # non-zero biases, so that they matter
     y = ensemble(True).apply(params, x)
     assert y.shape == (3, 2, 4)
     assert_near(y, ensemble(False).apply(params, x), TOL["float32"])

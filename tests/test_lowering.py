@@ -9,9 +9,11 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
+from helpers import act_fn
 
-from jax_epilog import FastPathWarning, _primitive, fused_dense
+from jax_epilog import FastPathWarning, _primitive, fused_dense, fused_mlp
 
 TARGET = "jax_epilog_fused_matmul"
 op = functools.partial(fused_dense, implementation="cublaslt")
@@ -83,3 +85,51 @@ def test_a_refusal_lowers_to_xla_with_one_warning(monkeypatch):
     assert not _calls(text)
     refusals = [w for w in caught if issubclass(w.category, FastPathWarning)]
     assert len(refusals) == 1 and "cuBLASLt refused (test)" in str(refusals[0].message)
+
+
+@pytest.mark.parametrize("implementation", ["auto", "cublaslt"])
+def test_symbolic_shapes_export_with_xla_math(rng, cublaslt_accepts, implementation):
+    """jax.export with a symbolic batch size: "auto" (whose rules compare sizes) keeps XLA's
+    expression, and the op, whose cuBLASLt plan needs its sizes, lowers to XLA's path on
+    "cuda" with one FastPathWarning; the exported function runs at any batch size."""
+    (batch,) = jax.export.symbolic_shape("b")
+    k, n = 24, 19
+    specs = (jax.ShapeDtypeStruct((batch, k), jnp.bfloat16), jax.ShapeDtypeStruct((k, n), jnp.bfloat16))
+
+    def dense(x, w):
+        return fused_dense(x, w, None, activation="gelu", implementation=implementation)
+
+    def mlp(x, w):
+        return fused_mlp(x, [(w, None), (w.T, None)], ["gelu", None], implementation=implementation)
+
+    def grad(x, w):
+        return jax.grad(lambda x, w: mlp(x, w).astype(jnp.float32).sum(), argnums=(0, 1))(x, w)
+
+    _primitive._warn_once.cache_clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for f in (dense, mlp, grad):
+            text = jax.export.export(jax.jit(f), platforms=("cuda",))(*specs).mlir_module()
+            assert not _calls(text)
+    symbolic = [w for w in caught if issubclass(w.category, FastPathWarning)]
+    assert len(symbolic) == (implementation == "cublaslt") and all("symbolic" in str(w.message) for w in symbolic)
+
+    x = rng.standard_normal((37, k)).astype(jnp.bfloat16)
+    w = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(jnp.bfloat16)
+    y = jax.export.export(jax.jit(dense))(*specs).call(x, w)
+    want = act_fn("gelu")(np.asarray(x, np.float64) @ np.asarray(w, np.float64))
+    np.testing.assert_allclose(np.asarray(y, np.float64), want, rtol=2e-2, atol=2e-2)
+
+
+def test_eager_calls_work_with_jit_disabled(rng):
+    """Under jax.disable_jit() the primitives still run (compiled): the eager path binds
+    them inside a jit, which would otherwise bind them again without end."""
+    x, w, b = (rng.standard_normal(s) for s in ((5, 12), (12, 9), (9,)))
+    with jax.disable_jit():
+        y, aux = op(x, w, b, activation="relu", return_aux=True)
+        dw = jax.grad(lambda w: op(x, w, b, activation="gelu").sum())(w)
+    z = x @ w + b
+    np.testing.assert_allclose(y, np.maximum(z, 0), rtol=1e-12, atol=1e-12)
+    assert aux.shape == (5, 16)
+    want = jax.grad(lambda w: act_fn("gelu")(x @ w + b).sum())(w)
+    np.testing.assert_allclose(dw, want, rtol=1e-12, atol=1e-12)

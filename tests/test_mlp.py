@@ -29,6 +29,7 @@ IMPLEMENTATIONS = ["auto", "cublaslt", "xla"]
 PATTERNS = [("gelu", None), ("gelu", "gelu", "relu"), ("relu", "gelu", None), (None, "gelu", "gelu")]
 # (x shape, widths): sizes that are no multiple of 8, leading dims, M = 1, a width of 1.
 SHAPES = [((33, 20), (45, 7, 13)), ((2, 3, 17), (9, 31, 5)), ((1, 6), (11, 1, 4))]
+SHAPE_IDS = ["33x20", "2x3x17", "1x6"]
 # Largest error relative to the reference's largest entry. Half dtypes round every layer's
 # output (and each backward step) to the dtype; two or three layers compound that.
 TOL = {"float16": 1e-2, "bfloat16": 6e-2, "float32": 5e-3 if ON_GPU else 3e-5, "float64": 1e-12}
@@ -87,6 +88,25 @@ def draw(rng, x_shape, widths, dtype, activations, *, bias=True, bias_dtype=None
     raise AssertionError("could not draw inputs clear of the ReLU kink")
 
 
+def cases(dtypes, dtype_ids=None, *, deep_shapes=None):
+    """``(dtype, activations, (x shape, widths))`` parameters: every dtype with every pattern,
+    each pair with one of SHAPES, rotating so that every pattern meets every shape (over the
+    dtypes) and every dtype every shape, without multiplying the number of cases.
+
+    ``deep_shapes``: the indices into SHAPES left to the 3-layer patterns (the others move
+    on to the next one in turn)."""
+    dtype_ids = dtype_ids or dtypes
+    params = []
+    for i, (dtype, dtype_id) in enumerate(zip(dtypes, dtype_ids)):
+        for j, acts in enumerate(PATTERNS):
+            for s in ((i + j + t) % len(SHAPES) for t in range(len(SHAPES))):
+                if len(acts) < 3 or deep_shapes is None or s in deep_shapes:
+                    break
+            label = "-".join(map(str, acts))
+            params.append(pytest.param(dtype, acts, SHAPES[s], id=f"{dtype_id}-{label}-{SHAPE_IDS[s]}"))
+    return params
+
+
 def _as_jnp(x, layers):
     return jnp.asarray(x), [(jnp.asarray(w), None if b is None else jnp.asarray(b)) for w, b in layers]
 
@@ -95,10 +115,11 @@ def _as_jnp(x, layers):
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-@pytest.mark.parametrize("activations", PATTERNS, ids=lambda acts: "-".join(map(str, acts)))
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_forward_matches_float64_reference(rng, dtype, activations, implementation):
-    x_shape, widths = SHAPES[len(activations) % len(SHAPES)]
+# 1x6's width-1 middle layer is left to the 2-layer pattern: behind it, x moves the third
+# layer's pre-activations along one line only, which may not clear ReLU's kink (draw fails).
+@pytest.mark.parametrize("dtype, activations, shape", cases(DTYPES, deep_shapes=(0, 1)))
+def test_forward_matches_float64_reference(rng, dtype, activations, shape, implementation):
+    x_shape, widths = shape
     x, layers = draw(rng, x_shape, widths[: len(activations)], dtype, activations)
     y = jax.jit(functools.partial(fused_mlp, activations=activations, implementation=implementation))(
         *_as_jnp(x, layers)
@@ -129,14 +150,26 @@ def _grads(f, x, layers, dy):
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-@pytest.mark.parametrize("activations", PATTERNS, ids=lambda acts: "-".join(map(str, acts)))
 @pytest.mark.parametrize(
-    "dtype,bias_dtype",
-    [("float16", None), ("bfloat16", None), ("bfloat16", "float32"), ("float32", None), ("float64", None)],
-    ids=["float16", "bfloat16", "bfloat16-f32bias", "float32", "float64"],
+    "dtypes, activations, shape",
+    cases(
+        [
+            ("float16", None),
+            ("bfloat16", None),
+            ("bfloat16", "float32"),
+            ("float32", None),
+            ("float64", None),
+        ],
+        ["float16", "bfloat16", "bfloat16-f32bias", "float32", "float64"],
+        # Three rounded backward steps need the 33 rows' averaging to meet TOL at half
+        # precision. Measured in bfloat16 (XLA's own autodiff, too): with 6 rows one dkernel
+        # entry came out 7% of the largest off; through 1x6's width-1 middle layer, where
+        # the whole gradient is proportional to one GELU'(z), dx came out 15% off.
+        deep_shapes=(0,),
+    ),
 )
-def test_gradients_match_float64_reference_vjp(rng, dtype, bias_dtype, activations, implementation):
-    x_shape, widths = SHAPES[len(activations) % len(SHAPES)]
+def test_gradients_match_float64_reference_vjp(rng, dtypes, activations, shape, implementation):
+    (dtype, bias_dtype), (x_shape, widths) = dtypes, shape
     x, layers = draw(rng, x_shape, widths[: len(activations)], dtype, activations, bias_dtype=bias_dtype)
     out_shape = (*x_shape[:-1], widths[len(activations) - 1])
     dy = rng.standard_normal(out_shape).astype(np_dtype(dtype))

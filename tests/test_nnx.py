@@ -75,22 +75,22 @@ def value_and_grads(module, x, ct):
 
 @pytest.mark.parametrize("use_bias", [True, False])
 @pytest.mark.parametrize("activation", ACTIVATIONS)
-@pytest.mark.parametrize("x_shape", [(8, 16), (2, 5, 16)], ids=["2d", "3d"])
+@pytest.mark.parametrize("x_shape", [(11, 19), (2, 5, 19)], ids=["2d", "3d"])
 def test_matches_linear_float32(rng, activation, use_bias, x_shape):
     seed = int(rng.integers(2**31))
-    fused, linear = pair(16, 12, seed, activation, use_bias=use_bias)
+    fused, linear = pair(19, 13, seed, activation, use_bias=use_bias)
     assert_same_tree(pure_params(fused), pure_params(linear))
     assert set(pure_params(fused)) == ({"kernel", "bias"} if use_bias else {"kernel"})
-    assert fused.kernel.shape == (16, 12)
+    assert fused.kernel.shape == (19, 13)
     assert isinstance(fused.kernel, nnx.Param)
     assert (fused.bias is None) == (linear.bias is None)
 
     nnx.update(fused, perturb(rng, nnx.state(fused, nnx.Param)))
     copy_params(fused, linear)
     x = draw_x(rng, x_shape, fused.kernel[...], fused.bias[...] if use_bias else None, "float32")
-    ct = rng.standard_normal((*x_shape[:-1], 12)).astype(np.float32)
+    ct = rng.standard_normal((*x_shape[:-1], 13)).astype(np.float32)
 
-    twin = Twin(16, 12, activation=activation, use_bias=use_bias, rngs=nnx.Rngs(0))
+    twin = Twin(19, 13, activation=activation, use_bias=use_bias, rngs=nnx.Rngs(0))
     copy_params(fused, twin.linear)
     y, dp, dx = value_and_grads(fused, x, ct)
     y_ref, dp_ref, dx_ref = value_and_grads(twin, x, ct)
@@ -127,16 +127,16 @@ def test_nnx_grad_and_jit(rng):
 def test_dtypes_match_linear(rng, x_dtype, dtype, param_dtype, activation):
     seed = int(rng.integers(2**31))
     kwargs = {"dtype": dtype, "param_dtype": param_dtype}
-    fused, _ = pair(32, 24, seed, activation, **kwargs)
-    twin = Twin(32, 24, activation=activation, rngs=nnx.Rngs(seed), **kwargs)
+    fused, _ = pair(33, 23, seed, activation, **kwargs)
+    twin = Twin(33, 23, activation=activation, rngs=nnx.Rngs(seed), **kwargs)
     assert_same_tree(pure_params(fused), pure_params(twin.linear))
     nnx.update(fused, perturb(rng, nnx.state(fused, nnx.Param)))
     copy_params(fused, twin.linear)
 
-    probe = jnp.zeros((16, 32), x_dtype)
+    probe = jnp.zeros((15, 33), x_dtype)
     compute = nnx.eval_shape(lambda: twin(probe)).dtype  # the twin's promoted dtype
     x = draw_x(rng, probe.shape, fused.kernel[...], fused.bias[...], x_dtype, compute)
-    ct = rng.standard_normal((16, 24)).astype(np.float32)
+    ct = rng.standard_normal((15, 23)).astype(np.float32)
     y, dp, dx = value_and_grads(fused, x, ct)
     y_ref, dp_ref, dx_ref = value_and_grads(twin, x, ct)
     assert y.dtype == y_ref.dtype == compute
@@ -151,6 +151,8 @@ def test_dtypes_match_linear(rng, x_dtype, dtype, param_dtype, activation):
 def test_float64(rng):
     fused, linear = pair(9, 5, int(rng.integers(2**31)), "relu", param_dtype=jnp.float64)
     assert fused.kernel.dtype == jnp.float64
+    nnx.update(fused, perturb(rng, nnx.state(fused, nnx.Param)))  # a non-zero bias, so that it matters
+    copy_params(fused, linear)
     x = rng.standard_normal((7, 9))  # float64: conftest enables x64
     y = fused(x)
     assert y.dtype == jnp.float64
@@ -173,8 +175,10 @@ def test_attributes_and_metadata():
     [None, jax.lax.Precision.DEFAULT, jax.lax.Precision.HIGHEST, "high", ("highest", "highest")],
 )
 def test_precision_accepted(rng, precision):
-    fused, linear = pair(8, 3, 0, precision=precision)
-    x = rng.standard_normal((4, 8)).astype(np.float32)
+    fused, linear = pair(11, 3, int(rng.integers(2**31)), precision=precision)
+    nnx.update(fused, perturb(rng, nnx.state(fused, nnx.Param)))  # a non-zero bias, so that it matters
+    copy_params(fused, linear)
+    x = rng.standard_normal((5, 11)).astype(np.float32)
     assert_near(fused(x), linear(x), TOL["float32"])
 
 
@@ -222,10 +226,14 @@ class MLP(nnx.Module):
 
 def test_mlp_state_interchangeable(rng):
     seed = int(rng.integers(2**31))
-    fused = MLP(6, 32, 4, fused=True, rngs=nnx.Rngs(seed))
-    dense = MLP(6, 32, 4, fused=False, rngs=nnx.Rngs(seed))
+    fused = MLP(6, 29, 5, fused=True, rngs=nnx.Rngs(seed))
+    dense = MLP(6, 29, 5, fused=False, rngs=nnx.Rngs(seed))
     assert_same_tree(pure_params(fused), pure_params(dense))
-    x = rng.standard_normal((8, 6)).astype(np.float32)
+    # Non-zero biases, so that they matter; the state copies over unchanged.
+    nnx.update(fused, perturb(rng, nnx.state(fused, nnx.Param)))
+    copy_params(fused, dense)
+    assert_same_tree(pure_params(fused), pure_params(dense))
+    x = rng.standard_normal((9, 6)).astype(np.float32)
     assert_near(fused(x), dense(x), TOL["float32"])
 
 

@@ -124,6 +124,13 @@ def test_unpack_relu_mask_of_numpy_packbits(rng, n):
     np.testing.assert_array_equal(unpacked, z > 0)
 
 
+@pytest.mark.parametrize("n", [-1, 129])
+def test_unpack_relu_mask_refuses_more_bits_than_the_mask_holds(rng, n):
+    mask = pack(jnp.asarray(rng.standard_normal((3, 100))))  # 16 bytes: 128 bits a row
+    with pytest.raises(ValueError, match=rf"n={n} does not fit a mask of shape \(3, 16\) \(allowed: 0 <= n <= 128"):
+        unpack(mask, n)
+
+
 # --- activations ------------------------------------------------------------------------------
 
 

@@ -18,6 +18,7 @@ from ._epilogs import (
     Activation,
     ComputeType,
     default_compute_type,
+    known_sizes,
     valid_compute_types,
 )
 from ._primitive import fused_matmul, fused_weight_grad
@@ -279,7 +280,7 @@ def _auto_fuses(activation: Activation | None, dtype: str, m: int, n: int, k: in
     the four 8192-row shapes, bfloat16 1.01-1.58x). Not float32: at 8192x1024->4096 the
     fused kernel tied XLA with full float32 (1.00x) and with TF32 lost for GELU (0.95x:
     cuBLASLt's TF32 GELU kernel took 318 µs, XLA's GEMM and GELU pass 301)."""
-    if not all(isinstance(size, int) for size in (m, n, k)):  # symbolic (jax.export): unknown
+    if not known_sizes(m, n, k):
         return False
     return activation is not None and dtype in _AUTO_DTYPES and m >= 1024 and m * n * k >= 2**33
 

@@ -19,6 +19,7 @@ __all__ = [
     "aux_padded_width",
     "default_compute_type",
     "epilog_name",
+    "known_sizes",
     "valid_compute_types",
 ]
 
@@ -79,6 +80,12 @@ HALF_DTYPES = ("float16", "bfloat16")
 
 def valid_compute_types(dtype: str, f32_bias: bool) -> tuple[ComputeType, ...]:
     return _VALID_COMPUTE_TYPES[(dtype, f32_bias)]
+
+
+def known_sizes(*sizes) -> bool:
+    """Whether every size is a number, not a symbolic dimension (``jax.export``'s shape
+    polymorphism), which a size rule cannot compare and a cuBLASLt plan cannot take."""
+    return all(isinstance(size, int) for size in sizes)
 
 
 def default_compute_type(dtype: str) -> ComputeType:

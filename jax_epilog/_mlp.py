@@ -35,7 +35,7 @@ from ._dense import (
     fused_dense,
     weight_grads,
 )
-from ._epilogs import Activation, ComputeType, aux_padded_width
+from ._epilogs import Activation, ComputeType, aux_padded_width, known_sizes
 from ._primitive import fused_gelu_input_grad, fused_matmul
 from ._sharding import fold_rows, like, needs_transpose
 
@@ -162,7 +162,7 @@ def fused_mlp(
     auto = (
         impl == "auto"
         and dtype in _AUTO_DTYPES
-        and all(isinstance(size, int) for size in (m, *ks))
+        and known_sizes(m, *ks)
         and not needs_transpose(x, x.ndim - 1)
     )
     link = gelu_feeds_a_layer and (impl == "cublaslt" or (auto and m >= _AUTO_LINK_MIN_ROWS))

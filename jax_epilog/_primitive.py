@@ -26,7 +26,15 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
 from . import _reference
-from ._epilogs import Activation, ComputeType, EpilogSpec, aux_dtype, aux_padded_width, epilog_name
+from ._epilogs import (
+    Activation,
+    ComputeType,
+    EpilogSpec,
+    aux_dtype,
+    aux_padded_width,
+    epilog_name,
+    known_sizes,
+)
 from ._sharding import Layout, fold_rows, partitioned_lowering, typed, whole_first
 
 __all__ = ["FastPathWarning", "fused_gelu_input_grad", "fused_matmul", "fused_weight_grad"]
@@ -154,7 +162,7 @@ def _fast_path_refusal(spec: EpilogSpec) -> str | None:
 
 def _symbolic(*avals) -> bool:
     """Whether a shape has a symbolic dimension (``jax.export``'s shape polymorphism)."""
-    return not all(isinstance(d, int) for a in avals for d in a.shape)
+    return not known_sizes(*(d for a in avals for d in a.shape))
 
 
 def _lower_fused_or_reference(ctx, args, spec, reference, params, fused):

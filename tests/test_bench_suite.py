@@ -500,11 +500,10 @@ ENTRY %main (w: bf16[8]) -> bf16[4] {
 
 
 @pytest.mark.parametrize("activation", ["relu", "gelu"])
-def test_backward_variants_compute_the_same_gradients(activation):
+def test_backward_variants_compute_the_same_gradients(rng, activation):
     """Each contender of benchmarks.backward_variants differentiates the same layer."""
     from benchmarks import backward_variants as bv
 
-    rng = np.random.default_rng()
     x, w, b = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((37, 19), (19, 23), (23,)))
     for loss_name, loss in bv.LOSSES.items():
         with jax.default_matmul_precision("highest"):  # XLA's float32 dot on a GPU: not TF32
@@ -562,10 +561,9 @@ def test_kernel_profile_reads_gpu_streams_only(tmp_path):
     assert "gemm [custom-call]" in kernels.render([{"case": "c"} | summary])
 
 
-def test_chain_with_donated_input_feeds_each_result_back(tmp_path):
+def test_chain_with_donated_input_feeds_each_result_back(rng, tmp_path):
     from benchmarks import forward, report
 
-    rng = np.random.default_rng()
     x = jnp.asarray(rng.standard_normal((5, 3)), jnp.float32)
     ws = jnp.asarray(rng.standard_normal((2, 3, 3)), jnp.float32)
     bs = jnp.asarray(rng.standard_normal((2, 3)), jnp.float32)
@@ -590,10 +588,9 @@ def test_chain_with_donated_input_feeds_each_result_back(tmp_path):
         assert all(cell in table for cell in cells), table
 
 
-def test_released_chain_deletes_each_result_before_the_next_call():
+def test_released_chain_deletes_each_result_before_the_next_call(rng):
     from benchmarks import forward
 
-    rng = np.random.default_rng()
     x = jnp.asarray(rng.standard_normal((4, 3)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((3, 3)), jnp.float32)
     step = forward.released(jax.jit(lambda x, w: x @ w), x, w)
@@ -643,13 +640,13 @@ def test_forward_in_four_runs_the_single_layer_four_times():
 
 
 @pytest.mark.parametrize("activation", ["relu", "gelu"])
-def test_dz_pallas_probe_kernel_matches_the_reference_on_partial_blocks(activation):
+def test_dz_pallas_probe_kernel_matches_the_reference_on_partial_blocks(rng, activation):
     from benchmarks.probes import dz_pallas
     from jax_epilog._epilogs import Activation
 
     act = Activation(activation)
     m, n = 45, 150  # neither a multiple of the 32x128 block
-    dy, aux = dz_pallas._operands(m, n, act, seed=int(np.random.default_rng().integers(1 << 30)))
+    dy, aux = dz_pallas._operands(m, n, act, seed=int(rng.integers(1 << 30)))
     want_dz, want_db = jax.jit(dz_pallas._xla("xla_dz_sum", act))(dy, aux)
     dz, db = dz_pallas.dz_and_sum(dy, aux, act, 32, 128, interpret=True)
     assert dz.shape == (m, n) and db.shape == (n,)
@@ -790,11 +787,10 @@ def test_chain_candidates_probe_appends_a_reading_per_process_on_cpu(tmp_path, c
     assert (tmp_path / "chain_candidates.md").read_text().strip() == table.strip()
 
 
-def test_grad_floor_probe_times_the_gemms_a_layers_gradient_needs_on_cpu(tmp_path, capsys):
+def test_grad_floor_probe_times_the_gemms_a_layers_gradient_needs_on_cpu(rng, tmp_path, capsys):
     from benchmarks.probes import grad_floor
 
-    m, k, n = (int(v) for v in np.random.default_rng().integers(17, 90, size=3))
-    rng = np.random.default_rng()
+    m, k, n = (int(v) for v in rng.integers(17, 90, size=3))
     x, w, dz = (jnp.asarray(rng.standard_normal(s), jnp.bfloat16) for s in ((m, k), (k, n), (m, n)))
     f32 = lambda a: np.asarray(a, np.float32)
     want = (f32(x) @ f32(w), f32(dz) @ f32(w).T, f32(x).T @ f32(dz))
@@ -834,11 +830,11 @@ def test_mlp_rows_time_each_activation_interleaved(monkeypatch):
         np.testing.assert_allclose(got, ref, rtol=2e-2, atol=2e-2)
 
 
-def test_mlp_layers_probe_times_each_layers_implementation_on_cpu(tmp_path, capsys):
+def test_mlp_layers_probe_times_each_layers_implementation_on_cpu(rng, tmp_path, capsys):
     from benchmarks import training
     from benchmarks.probes import mlp_layers
 
-    m, d = (int(v) for v in np.random.default_rng().integers(9, 40, size=2))
+    m, d = (int(v) for v in rng.integers(9, 40, size=2))
     args = [jnp.asarray(a, jnp.float32) for a in training.mlp_inputs(m, d)]
     want = mlp_layers.grad_step("xla", "relu")(*args)
     for contender in mlp_layers.CONTENDERS[1:]:
@@ -865,13 +861,13 @@ def test_mlp_layers_probe_times_each_layers_implementation_on_cpu(tmp_path, caps
     assert "| 24x8->32->8 (fwd+bwd) | float32 (TF32) | relu |" in capsys.readouterr().out
 
 
-def test_mlp_layers_probe_asks_xla_for_the_fused_arithmetic():
+def test_mlp_layers_probe_asks_xla_for_the_fused_arithmetic(rng):
     """Float32 blocks: XLA's dots at HIGHEST (full float32, fused_dense's default) or at
     DEFAULT with --tf32 (what "auto" runs then); half dtypes keep the expression as written."""
     from benchmarks import training
     from benchmarks.probes import mlp_layers
 
-    m, d = (int(v) for v in np.random.default_rng().integers(9, 40, size=2))
+    m, d = (int(v) for v in rng.integers(9, 40, size=2))
     for dtype, tf32, highest in [("float32", False, True), ("float32", True, False), ("bfloat16", False, False)]:
         arithmetic = mlp_layers.Arithmetic.of(dtype, tf32)
         args = training.mlp_inputs(m, d, jnp.dtype(dtype))
@@ -880,11 +876,11 @@ def test_mlp_layers_probe_asks_xla_for_the_fused_arithmetic():
         assert arithmetic.compute_type.name == ("COMPUTE_32F_FAST_TF32" if tf32 else "COMPUTE_32F")
 
 
-def test_per_program_probe_times_one_and_many_layers_per_call_on_cpu(tmp_path, capsys):
+def test_per_program_probe_times_one_and_many_layers_per_call_on_cpu(rng, tmp_path, capsys):
     from benchmarks import run
     from benchmarks.probes import per_program
 
-    m, k, n = (int(v) for v in np.random.default_rng().integers(9, 40, size=3))
+    m, k, n = (int(v) for v in rng.integers(9, 40, size=3))
     case = run.Case(m, k, n, "bfloat16", "bfloat16", "gelu", "fwd")
     sets = run.Inputs(case, copies=3).jax()
     assert len(sets) == 3 and len({s[0].unsafe_buffer_pointer() for s in sets}) == 3
@@ -904,10 +900,10 @@ def test_per_program_probe_times_one_and_many_layers_per_call_on_cpu(tmp_path, c
     assert "| nvmath/fused | nvmath/fused_in_L |" in capsys.readouterr().out
 
 
-def test_mixed_block_probe_times_gelu_and_relu_layers_in_one_block_on_cpu(tmp_path, capsys):
+def test_mixed_block_probe_times_gelu_and_relu_layers_in_one_block_on_cpu(rng, tmp_path, capsys):
     from benchmarks.probes import mixed_block
 
-    m, d = (int(v) for v in np.random.default_rng().integers(9, 40, size=2))
+    m, d = (int(v) for v in rng.integers(9, 40, size=2))
     args = [jnp.asarray(a, jnp.float32) for a in mixed_block.inputs(m, d)]
     assert [a.shape for a in args] == [(m, d), (d, 4 * d), (4 * d,), (4 * d, 4 * d), (4 * d,), (4 * d, d), (d,)]
     want = mixed_block.grad_step("xla")(*args)

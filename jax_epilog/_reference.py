@@ -66,6 +66,32 @@ def _epilog_dtype(ab_dtype: np.dtype, compute_type: ComputeType) -> np.dtype:
     return np.dtype(np.float32)
 
 
+# COMPUTE_32F_FAST_16F / _16BF / _TF32 allow cuBLASLt to convert float32 operands to
+# float16, bfloat16 or TF32 (float32's exponent, 10 mantissa bits) for its tensor cores,
+# accumulating in float32. Where no GPU runs the GEMM (the CPU path), the reference rounds
+# the operands so (to nearest): the least precise result the compute type allows. On the
+# H200 cuBLASLt rounded them so at 1000x1024->1000 for TF32 and 16F, took TF32 for 16BF,
+# and kept float32 at 33x129->65 (benchmarks/results/2026-12-04-h200-aa-*); on a GPU the
+# reference's own GEMMs run at XLA's DEFAULT precision (TF32), as before.
+_FAST_FORMATS = {
+    ComputeType.COMPUTE_32F_FAST_16F: jnp.float16,
+    ComputeType.COMPUTE_32F_FAST_16BF: jnp.bfloat16,
+    ComputeType.COMPUTE_32F_FAST_TF32: None,  # no dtype: reduce_precision
+}
+
+
+def _fast_operand(a: jax.Array, compute_type: ComputeType) -> jax.Array:
+    """A float32 operand as a ``COMPUTE_32F_FAST_*`` GEMM may read it (see above)."""
+    half = _FAST_FORMATS[compute_type]
+
+    def rounded(a):
+        if half is None:
+            return jax.lax.reduce_precision(a, exponent_bits=8, mantissa_bits=10)
+        return a.astype(half).astype(a.dtype)  # (reduce_precision would flush subnormals)
+
+    return jax.lax.platform_dependent(a, cuda=lambda a: a, rocm=lambda a: a, default=rounded)
+
+
 def _matmul(
     a: jax.Array, b: jax.Array, contract: tuple[int, int], compute_type: ComputeType, out_dtype=None
 ) -> jax.Array:
@@ -85,6 +111,8 @@ def _matmul(
     dimensions it keeps are): one summed over a split dimension (the rows in the kernel
     gradient, N in dx) must."""
     fast = compute_type.name.startswith("COMPUTE_32F_FAST")
+    if fast:
+        a, b = _fast_operand(a, compute_type), _fast_operand(b, compute_type)
     direct = (
         out_dtype is not None
         and np.dtype(out_dtype) == np.dtype(a.dtype)

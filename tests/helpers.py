@@ -34,6 +34,19 @@ def np_dtype(dtype) -> np.dtype:
     return np.dtype(ml_dtypes.bfloat16) if dtype in ("bfloat16", jnp.bfloat16) else np.dtype(dtype)
 
 
+def round_operand(a, compute_type: str):
+    """A float32 operand as a COMPUTE_32F_FAST_* GEMM reads it: rounded (to nearest even)
+    to float16, bfloat16 or TF32 (float32's exponent, 10 mantissa bits), as float64."""
+    a = np.asarray(a, np.float32)
+    if compute_type.endswith("16F"):
+        return a.astype(np.float16).astype(np.float64)
+    if compute_type.endswith("16BF"):
+        return a.astype(ml_dtypes.bfloat16).astype(np.float64)
+    bits = a.view(np.uint32).astype(np.uint64)
+    bits = (bits + 0xFFF + ((bits >> 13) & 1)) >> 13 << 13
+    return bits.astype(np.uint32).view(np.float32).astype(np.float64)
+
+
 def assert_near(actual, expected, tol, what="", scale=None):
     """``|actual - expected| <= tol * (scale + |expected|)`` elementwise; ``scale`` defaults
     to ``max|expected|``."""

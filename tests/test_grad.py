@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import act_fn, np_dtype
+from helpers import ON_GPU, act_fn, np_dtype, round_operand
 from jax.test_util import check_grads
 from tolerances import epilog_slack, tolerance
 
@@ -152,6 +152,45 @@ def test_half_operands_with_float32_bias_give_float32_dbias(rng, dtype, activati
     want = reference_vjp(x, w, b, activation, dy, relu_mask=mask)
     for name, got, ref, scale in zip(("dx", "dkernel", "dbias"), (dx, dw, db), want, grad_scales(x, w, dy)):
         assert_grad_close(got, ref, dtype, name, scale)
+
+
+@pytest.mark.parametrize("activation", [None, "relu"], ids=str)
+@pytest.mark.parametrize("name", ["COMPUTE_32F_FAST_TF32", "COMPUTE_32F_FAST_16F", "COMPUTE_32F_FAST_16BF"])
+def test_fast_compute_types_round_the_backward_gemms_operands_too(rng, name, activation):
+    """Each backward GEMM may read its float32 operands (dz, the kernel, x) rounded as the
+    compute type says, as the forward's may (test_dense.py): on the CPU exactly so; on a GPU
+    within that rounding of the exact gradients. The bias gradient sums dz.
+
+    With no activation or ReLU, dz is dy or 0, so the reference's rounding of dz is the
+    op's exactly (GELU's dz, formed in float32 by the op and in float64 here, may round to
+    the neighbouring half value: that is no test of the GEMMs)."""
+    r = functools.partial(round_operand, compute_type=name)
+    for _ in range(100):  # ReLU: no rounded pre-activation near the kink
+        x, w, b = make_inputs(rng, (33, 129), 65, "float32")
+        z = r(x) @ r(w) + b
+        if np.abs(z).min() > 1e-4:
+            break
+    dz = rng.standard_normal((33, 65)).astype(np.float32)  # dy
+    _, vjp = jax.vjp(lambda *a: fused_dense(*a, activation=activation, compute_type=name), x, w, b)
+    got = vjp(jnp.asarray(dz))
+    if activation == "relu":
+        _, aux = fused_dense(x, w, b, activation="relu", compute_type=name, return_aux=True)
+        mask = np.asarray(unpack_relu_mask(aux, 65))
+        assert ON_GPU or (mask == (z > 0)).all()  # on a GPU cuBLASLt's own z decides
+        dz = dz * mask
+    scales = grad_scales(x, w, dz)
+    exact = (dz @ np.asarray(w, np.float64).T, np.asarray(x, np.float64).T @ dz, dz.sum(0, dtype=np.float64))
+    if ON_GPU:
+        tol = 2 * (2.0**-7 if name.endswith("16BF") else 2.0**-10)  # both operands rounded
+        want = exact
+    else:
+        tol = 2e-6  # float32 accumulation only
+        want = (r(dz) @ r(w).T, r(x).T @ r(dz), exact[2])
+        for what, ex, ref, scale in zip(("dx", "dkernel"), exact, want, scales):
+            assert np.abs(ex - ref).max() > 20 * tol * scale, what  # rounding the tolerance cannot hide
+    for what, g, ref, scale in zip(("dx", "dkernel", "dbias"), got, want, scales):
+        err = np.abs(np.asarray(g, np.float64) - ref).max() / scale
+        assert err <= tol, f"{what}: max error {err:.3g} of the scale {scale:.3g} > {tol}"
 
 
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])

@@ -35,7 +35,7 @@ from ._epilogs import (
     epilog_name,
     known_sizes,
 )
-from ._sharding import Layout, fold_rows, partitioned_lowering, typed, whole_first
+from ._sharding import Layout, fold_rows, map_members, partitioned_lowering, typed
 
 __all__ = ["FastPathWarning", "fused_gelu_input_grad", "fused_matmul", "fused_weight_grad"]
 
@@ -233,16 +233,12 @@ def _batch(args, dims, **params):
 
 
 def _map_over_batch(primitive: Primitive, args, dims, **params):
-    """A batching rule that binds ``primitive`` once per batch member, in a lax.map loop.
-    Over several devices every device runs every member: members split over devices are
-    gathered first (under ``shard_map`` each device maps over its own)."""
-    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
-    stacked = [
-        jnp.broadcast_to(a, (size, *a.shape)) if d is None else whole_first(jnp.moveaxis(a, d, 0))
-        for a, d in zip(args, dims)
-    ]
-    outs = jax.lax.map(lambda ops: primitive.bind(*ops, **params), stacked)
-    return list(outs), [0] * len(outs)
+    """A batching rule that binds ``primitive`` once per batch member, in a lax.map loop;
+    members split over devices stay split (``_sharding.map_members``)."""
+    moved = [a if d is None else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims)]
+    batched = [d is not None for d in dims]
+    outs = map_members(lambda *ops: primitive.bind(*ops, **params), moved, batched)
+    return outs, [0] * len(outs)
 
 
 batching.primitive_batchers[fused_matmul_p] = _batch

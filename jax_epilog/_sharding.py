@@ -23,8 +23,9 @@ holds its own block), the primitive lowers directly: custom_partitioning adds no
 
 Under explicit sharding an array's type names its sharding: ``typed`` gives the
 primitives' results the types this rule makes, ``like`` gives each gradient its
-primal's type, and ``fold_rows`` folds leading dimensions into the rows in an order such a
-type allows.
+primal's type, ``fold_rows`` folds leading dimensions into the rows in an order such a
+type allows, and ``map_members`` keeps an ensemble's members split over the devices that
+hold them.
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ except ImportError:  # a jax without it: the primitives lower whole (XLA gathers
     _NEEDS_DEVICES = None
 
 __all__ = [
-    "Layout", "explicit_product", "fold_rows", "like", "needs_transpose", "partitioned_lowering", "typed",
-    "whole_first",
+    "Layout", "explicit_product", "fold_rows", "like", "map_members", "needs_transpose", "partitioned_lowering",
+    "typed",
 ]  # fmt: skip
 
 
@@ -255,14 +256,28 @@ def fold_rows(x, count: int, order_of=None):
     return folded, unfold
 
 
-def whole_first(x):
-    """``x`` with its first dimension whole: resharded where explicit sharding splits it
-    (``lax.map`` over a split dimension is refused there)."""
-    sharding = getattr(jax.typeof(x), "sharding", None)
-    if not _explicit(sharding) or not _axes(sharding, 0):
-        return x
-    spec = (None, *tuple(sharding.spec)[1:])
-    return jax.sharding.reshard(x, NamedSharding(sharding.mesh, PartitionSpec(*spec)))
+def map_members(fn, operands, batched):
+    """``lax.map(fn)`` over the members (the first dimension) of the ``batched`` operands,
+    the others shared by every member; a list of stacked results.
+
+    Under explicit sharding, members split over mesh axes stay split: each device maps over
+    its own, inside ``shard_map`` over those axes (``vmap`` has made every batched
+    operand's member dimension split alike, and split no shared operand over those axes)."""
+
+    def local(*ops):
+        size = next(o.shape[0] for o, b in zip(ops, batched) if b)
+        stacked = [o if b else jnp.broadcast_to(o, (size, *o.shape)) for o, b in zip(ops, batched)]
+        return list(jax.lax.map(lambda members: fn(*members), stacked))
+
+    sharding = getattr(jax.typeof(operands[batched.index(True)]), "sharding", None)
+    axes = _axes(sharding, 0) if _explicit(sharding) else ()
+    if not axes:
+        return local(*operands)
+    spec = PartitionSpec(axes)
+    in_specs = tuple(spec if b else PartitionSpec() for b in batched)
+    return jax.shard_map(local, mesh=sharding.mesh, in_specs=in_specs, out_specs=spec, axis_names=set(axes))(
+        *operands
+    )
 
 
 def needs_transpose(x, count: int) -> bool:

@@ -450,10 +450,52 @@ def test_explicit_sharding_vmap_over_split_rows_with_shared_weights(rng, seen):
 @pytest.mark.parametrize("activation", ["relu", "gelu"])
 def test_explicit_sharding_ensemble_split_over_members(rng, activation):
     """vmap over weights (an ensemble) runs member by member; members split over devices
-    are gathered for that loop (lax.map refuses a split axis), with the values unchanged."""
+    stay split: each device runs its own (shard_map), with no collective, forward and
+    backward, whether x is per member or shared."""
     m = mesh((4,), ("data",), AxisType.Explicit)
-    x, w, b = rng.standard_normal((4, 6, 10)), rng.standard_normal((4, 10, 7)) / 3, rng.standard_normal((4, 7))
-    y = jax.jit(jax.vmap(functools.partial(fused_dense, activation=activation)))(
-        *(put(m, a, "data") for a in (x, w, b))
-    )
-    assert_near(y, act_fn(activation)(jnp.einsum("emk,ekn->emn", x, w) + b[:, None]))
+    x, w, b = rng.standard_normal((8, 6, 10)), rng.standard_normal((8, 10, 7)) / 3, rng.standard_normal((8, 7))
+    xs, ws, bs = (put(m, a, "data") for a in (x, w, b))
+    layer = functools.partial(fused_dense, activation=activation)
+    want = act_fn(activation)(jnp.einsum("emk,ekn->emn", x, w) + b[:, None])
+    none = {"all-gather": 0, "all-reduce": 0, "all-to-all": 0}
+    for in_axes, args, expected in (((0, 0, 0), (xs, ws, bs), want), ((None, 0, 0), (put(m, x[0]), ws, bs), None)):
+        f = jax.jit(jax.vmap(layer, in_axes=in_axes))
+        y = f(*args)
+        if expected is None:  # x shared by the members
+            expected = act_fn(activation)(jnp.einsum("mk,ekn->emn", x[0], w) + b[:, None])
+        assert_near(y, expected)
+        assert jax.typeof(y).sharding.spec == P("data", None, None)
+        assert collectives(f.lower(*args).compile().as_text()) == none
+    loss = lambda x, w, b: jnp.sum(jax.vmap(layer)(x, w, b) ** 2)
+    plain = lambda x, w, b: jnp.sum(act_fn(activation)(jnp.einsum("emk,ekn->emn", x, w) + b[:, None]) ** 2)
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    for got, ref in zip(grad(xs, ws, bs), jax.grad(plain, argnums=(0, 1, 2))(x, w, b)):
+        assert_near(got, ref)
+        assert jax.typeof(got).sharding.spec[0] == "data"
+    assert collectives(grad.lower(xs, ws, bs).compile().as_text()) == none
+
+
+def test_explicit_sharding_ensemble_of_fused_mlps_keeps_members_split(rng):
+    """An ensemble of linked GELU blocks (fused_mlp's DGELU backward, batched over the
+    members' weights) differentiates with each device on its own members."""
+    m = mesh((4,), ("data",), AxisType.Explicit)
+    shapes = ((4, 6, 10), (4, 10, 12), (4, 12), (4, 12, 5))
+    x, w1, b1, w2 = (rng.standard_normal(s) / (3 if len(s) == 3 and s[1] > 6 else 1) for s in shapes)
+
+    def block(x, w1, b1, w2):
+        return jax_epilog.fused_mlp(x, [(w1, b1), (w2, None)], ["gelu", None], implementation="cublaslt")
+
+    def plain(x, w1, b1, w2):
+        h = act_fn("gelu")(jnp.einsum("emk,ekn->emn", x, w1) + b1[:, None])
+        return jnp.einsum("emk,ekn->emn", h, w2)
+
+    loss = lambda f: lambda *a: jnp.sum(f(*a) ** 2)
+    unjitted = jax.grad(loss(jax.vmap(block)), argnums=(0, 1, 2, 3))
+    grad = jax.jit(unjitted)
+    args = [put(m, jnp.asarray(a, jnp.float32), "data") for a in (x, w1, b1, w2)]  # (float64 is not linked)
+    assert "jax_epilog_fused_gelu_input_grad" in str(jax.make_jaxpr(unjitted)(*args))
+    for got, ref in zip(grad(*args), jax.grad(loss(plain), argnums=(0, 1, 2, 3))(x, w1, b1, w2)):
+        ref = np.asarray(ref)  # float64, against float32 gradients
+        np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+        assert jax.typeof(got).sharding.spec[0] == "data"
+    assert collectives(grad.lower(*args).compile().as_text()) == {"all-gather": 0, "all-reduce": 0, "all-to-all": 0}

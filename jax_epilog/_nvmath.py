@@ -28,6 +28,11 @@ import ml_dtypes
 import numpy as np
 import nvmath
 from cuda.bindings import runtime as cudart
+
+try:
+    from cuda.core import Device as _CoreDevice
+except ImportError:  # cuda-core before 0.4
+    from cuda.core.experimental import Device as _CoreDevice
 from nvmath.bindings import cublasLt
 from nvmath.linalg._internal import matmul_pref_ifc
 from nvmath.linalg.advanced import Matmul, MatmulComputeType, MatmulEpilog, MatmulOptions
@@ -131,6 +136,17 @@ def _relaxed_capture():
         yield
     finally:
         cudart.cudaThreadExchangeStreamCaptureMode(previous)
+
+
+def _set_current(device_id: int) -> None:
+    """Mark ``device_id`` current for cuda.core (nvmath's device layer) on this thread.
+
+    cuda.core wants each thread to do so once before nvmath plans there. The FFI handler
+    may plan on a thread of XLA's that never did: with PjRt's asynchronous dispatch
+    (PJRT_GPU_ENABLE_ASYNC_DISPATCH=1) it runs on a worker thread, where planning failed
+    with "Device 0 is not yet initialized" (H200, jax 0.11.2). The context made current is
+    the device's primary one, which XLA uses too."""
+    _CoreDevice(device_id).set_current()
 
 
 _handles: dict[int, int] = {}
@@ -252,6 +268,7 @@ class Plan:
             epilog_inputs = {"bias": views.view((n,), spec.bias_dtype, (1,))}
         epilog = None if spec.epilog == "DEFAULT" else MatmulEpilog[spec.epilog]
         try:
+            _set_current(device_id)
             with cp.cuda.Device(device_id):
                 mm = Matmul(a, b, c=c, beta=0.0 if c is not None else None, options=options)
                 mm.plan(epilog=epilog, epilog_inputs=epilog_inputs)

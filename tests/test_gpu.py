@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
+import sys
+import textwrap
 import warnings
 
 import jax
@@ -481,3 +485,38 @@ def test_explicit_sharding_ensemble_runs_the_fused_path_per_member(rng):
         _assert_close(y[i], _oracle(xi, wi, bi, "gelu")[0], TOL["bfloat16"])
     _, grads = grad(x, w, b)
     assert all(jax.typeof(g).sharding.spec[0] == "data" for g in grads)
+
+
+_WORKER_THREAD_PLAN = """
+import threading
+import jax, jax.numpy as jnp, numpy as np
+from jax_epilog import _nvmath, fused_dense
+
+rng = np.random.default_rng({seed})
+x = jnp.asarray(rng.standard_normal((72, 40)), jnp.bfloat16)
+w = jnp.asarray(rng.standard_normal((40, 56)) / np.sqrt(40), jnp.bfloat16)
+b = jnp.asarray(rng.standard_normal(56), jnp.bfloat16)
+f = jax.jit(lambda x, w, b: fused_dense(x, w, b, activation="gelu", implementation="cublaslt"))
+f.lower(x, w, b)  # plans at lowering, on this thread
+_nvmath._plans.clear()  # so that the handler plans anew when the program runs
+threads, get_plan = [], _nvmath.get_plan
+_nvmath.get_plan = lambda *a, **k: threads.append(threading.current_thread()) or get_plan(*a, **k)
+y = np.asarray(f(x, w, b), np.float64)
+z = np.asarray(x, np.float64) @ np.asarray(w, np.float64) + np.asarray(b, np.float64)
+want = 0.5 * z * (1 + np.tanh(np.sqrt(2 / np.pi) * (z + 0.044715 * z**3)))
+assert threads and threading.main_thread() not in threads, threads
+assert np.abs(y - want).max() <= 3e-2 * max(1.0, np.abs(want).max()), np.abs(y - want).max()
+print("planned on", [t.name for t in threads])
+"""
+
+
+def test_the_handler_plans_on_a_pjrt_worker_thread(rng):
+    """With PjRt's asynchronous dispatch (PJRT_GPU_ENABLE_ASYNC_DISPATCH=1, read when the
+    client starts: hence a fresh process) the FFI handler runs on a worker thread of XLA's;
+    a plan it makes there (none cached for the device and alignment) must run: it once
+    failed with cuda.core's "Device 0 is not yet initialized" (_nvmath._set_current)."""
+    code = _WORKER_THREAD_PLAN.format(seed=int(rng.integers(1 << 31)))
+    env = {**os.environ, "PJRT_GPU_ENABLE_ASYNC_DISPATCH": "1"}
+    command = [sys.executable, "-c", textwrap.dedent(code)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]

@@ -261,23 +261,45 @@ def map_members(fn, operands, batched):
     the others shared by every member; a list of stacked results.
 
     Under explicit sharding, members split over mesh axes stay split: each device maps over
-    its own, inside ``shard_map`` over those axes (``vmap`` has made every batched
-    operand's member dimension split alike, and split no shared operand over those axes)."""
+    its own, inside a ``shard_map`` manual over every axis of the mesh (``vmap`` has split
+    every batched operand's member dimension alike, and no shared operand over those axes).
+    Where an operand is also split over another axis, or the mesh has axes that are
+    neither explicit nor manual, the members are gathered first (``lax.map`` refuses a
+    split axis; the fused primitive's partitioning cannot run inside a partly manual
+    region), each device runs every member, and the results are split over the members'
+    axes again: the type ``vmap`` gives them."""
 
     def local(*ops):
         size = next(o.shape[0] for o, b in zip(ops, batched) if b)
         stacked = [o if b else jnp.broadcast_to(o, (size, *o.shape)) for o, b in zip(ops, batched)]
         return list(jax.lax.map(lambda members: fn(*members), stacked))
 
-    sharding = getattr(jax.typeof(operands[batched.index(True)]), "sharding", None)
-    axes = _axes(sharding, 0) if _explicit(sharding) else ()
+    shardings = [getattr(jax.typeof(o), "sharding", None) for o in operands]
+    members = shardings[batched.index(True)]
+    axes = _axes(members, 0) if _explicit(members) else ()
     if not axes:
         return local(*operands)
+    types = dict(zip(members.mesh.axis_names, members.mesh.axis_types))
+    free = {name for name, kind in types.items() if kind != jax.sharding.AxisType.Manual}
+    used = {ax for s in shardings if _explicit(s) for d in range(len(s.spec)) for ax in _axes(s, d)}
+    if used - set(axes) or any(types[name] != jax.sharding.AxisType.Explicit for name in free):
+        outs = local(*(_whole_first(o) if b else o for o, b in zip(operands, batched)))
+        return [_first_over(o, axes) for o in outs]  # typed as vmap expects: members split
     spec = PartitionSpec(axes)
     in_specs = tuple(spec if b else PartitionSpec() for b in batched)
-    return jax.shard_map(local, mesh=sharding.mesh, in_specs=in_specs, out_specs=spec, axis_names=set(axes))(
-        *operands
-    )
+    return jax.shard_map(local, mesh=members.mesh, in_specs=in_specs, out_specs=spec, axis_names=free)(*operands)
+
+
+def _whole_first(x):
+    """``x`` with its first dimension gathered whole (explicit sharding)."""
+    return _first_over(x, None)
+
+
+def _first_over(x, axes):
+    """``x`` with its first dimension split over ``axes`` (None: whole), the others as they are."""
+    sharding = jax.typeof(x).sharding
+    spec = (axes, *tuple(sharding.spec)[1:])
+    return jax.sharding.reshard(x, NamedSharding(sharding.mesh, PartitionSpec(*spec)))
 
 
 def needs_transpose(x, count: int) -> bool:

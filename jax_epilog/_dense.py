@@ -138,7 +138,9 @@ def fused_dense(
         float32 also accepts ``COMPUTE_32F_FAST_TF32`` (and ``_FAST_16F``/``_FAST_16BF``),
         float16 ``COMPUTE_16F``; each type also as its ``_PEDANTIC`` form where cuBLAS has one.
         The ``_FAST`` types let cuBLASLt round float32 operands to TF32, float16 or bfloat16
-        (it may keep more bits); the CPU path always rounds them so (to nearest).
+        (it may keep more bits); the op's CPU path rounds them so (to nearest). Where
+        ``"auto"`` or ``"xla"`` run XLA's expression (``_TF32``), its DEFAULT precision
+        decides: TF32 on a GPU, float32 on a CPU.
       return_aux: also return the epilog's auxiliary output, which the backward pass uses:
         for ReLU a uint8 bit-mask of shape (..., round_up(N, 128) // 8) where bit ``j % 8``
         of byte ``j // 8`` is ``z[..., j] > 0``; for GELU the pre-activation ``z`` of shape

@@ -145,7 +145,8 @@ def _set_current(device_id: int) -> None:
     may plan on a thread of XLA's that never did: with PjRt's asynchronous dispatch
     (PJRT_GPU_ENABLE_ASYNC_DISPATCH=1) it runs on a worker thread, where planning failed
     with "Device 0 is not yet initialized" (H200, jax 0.11.2). The context made current is
-    the device's primary one, which XLA uses too."""
+    the device's primary one, which XLA uses too; callers do this inside cupy's device
+    scope, which restores the thread's previous device on exit."""
     _CoreDevice(device_id).set_current()
 
 
@@ -267,13 +268,13 @@ class Plan:
         if spec.bias_dtype is not None and spec.problem == "forward":
             epilog_inputs = {"bias": views.view((n,), spec.bias_dtype, (1,))}
         epilog = None if spec.epilog == "DEFAULT" else MatmulEpilog[spec.epilog]
-        try:
+        with cp.cuda.Device(device_id):  # (restores the thread's device on exit)
             _set_current(device_id)
-            with cp.cuda.Device(device_id):
+            try:
                 mm = Matmul(a, b, c=c, beta=0.0 if c is not None else None, options=options)
                 mm.plan(epilog=epilog, epilog_inputs=epilog_inputs)
-        except Exception as exc:  # nvmath raises several types for a refused problem
-            raise PlanningError(f"cuBLASLt cannot plan {spec}: {exc}") from exc
+            except Exception as exc:  # nvmath raises several types for a refused problem
+                raise PlanningError(f"cuBLASLt cannot plan {spec}: {exc}") from exc
         missing = [name for name in _MATMUL_INTERNALS if not hasattr(mm, name)]
         if missing:
             raise RuntimeError(

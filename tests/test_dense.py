@@ -485,6 +485,25 @@ def test_float32_fast_compute_types_round_the_operands(rng, name):
             assert_close(np.asarray(aux)[:, :65], z, "float32", k=129)
 
 
+def test_float32_fast_16f_keeps_float16s_range_on_the_cpu(rng):
+    """_16F rounds the operands to float16, not merely to 10 mantissa bits as _TF32 does: a
+    float16 subnormal keeps fewer bits, and beyond 65504 an operand overflows. The CPU
+    path's (on a GPU cuBLASLt may keep float32 products: the test above)."""
+    x = rng.standard_normal((2, 4)).astype(np.float32)
+    w = rng.standard_normal((4, 5)).astype(np.float32)
+    b = rng.standard_normal(5).astype(np.float32)
+    # A float16 subnormal 0.4 of its spacing (2**-24) off the grid, and an overflow.
+    x[0, 0], x[1, 0], w[0] = (rng.integers(30, 60) + 0.4) * 2.0**-24, 7e4, 1e4
+    names = ("COMPUTE_32F_FAST_16F", "COMPUTE_32F_FAST_TF32")
+    with jax.default_device(jax.devices("cpu")[0]):
+        y = {ct: np.asarray(jit_dense(x, w, b, activation=None, compute_type=ct)) for ct in names}
+    for ct in names:
+        want, _ = oracle(round_operand(x[:1], ct), round_operand(w, ct), b, None)
+        assert_close(y[ct][:1], want, "float32", k=4, what=ct)
+    assert np.abs(y[names[0]][0] - y[names[1]][0]).max() > 50 * tolerance("float32", 4)[1]
+    assert np.isinf(y[names[0]][1]).all() and np.isfinite(y[names[1]][1]).all()
+
+
 # Regression: _primitive._impl once wrapped a fresh partial in a fresh jax.jit on every eager call.
 def test_eager_calls_do_not_recompile(rng):
     x, w, b = (jnp.asarray(a) for a in make_inputs(rng, (3, 5), 7, "float32"))

@@ -170,6 +170,8 @@ def test_fast_compute_types_round_the_backward_gemms_operands_too(rng, name, act
         z = r(x) @ r(w) + b
         if np.abs(z).min() > 1e-4:
             break
+    else:
+        raise AssertionError("could not draw inputs clear of the ReLU kink")
     dz = rng.standard_normal((33, 65)).astype(np.float32)  # dy
     _, vjp = jax.vjp(lambda *a: fused_dense(*a, activation=activation, compute_type=name), x, w, b)
     got = vjp(jnp.asarray(dz))

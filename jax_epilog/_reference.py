@@ -80,16 +80,17 @@ _FAST_FORMATS = {
 }
 
 
-def _fast_operand(a: jax.Array, compute_type: ComputeType) -> jax.Array:
-    """A float32 operand as a ``COMPUTE_32F_FAST_*`` GEMM may read it (see above)."""
+def _fast_operands(a: jax.Array, b: jax.Array, compute_type: ComputeType) -> tuple[jax.Array, jax.Array]:
+    """A GEMM's float32 operands as a ``COMPUTE_32F_FAST_*`` GEMM may read them (see above)."""
     half = _FAST_FORMATS[compute_type]
 
-    def rounded(a):
+    def rounded(*operands):
         if half is None:
-            return jax.lax.reduce_precision(a, exponent_bits=8, mantissa_bits=10)
-        return a.astype(half).astype(a.dtype)  # (reduce_precision would flush subnormals)
+            return tuple(jax.lax.reduce_precision(o, exponent_bits=8, mantissa_bits=10) for o in operands)
+        return tuple(o.astype(half).astype(o.dtype) for o in operands)  # (reduce_precision: no subnormals)
 
-    return jax.lax.platform_dependent(a, cuda=lambda a: a, rocm=lambda a: a, default=rounded)
+    same = lambda *operands: operands
+    return jax.lax.platform_dependent(a, b, cuda=same, rocm=same, default=rounded)
 
 
 def _matmul(
@@ -112,7 +113,7 @@ def _matmul(
     gradient, N in dx) must."""
     fast = compute_type.name.startswith("COMPUTE_32F_FAST")
     if fast:
-        a, b = _fast_operand(a, compute_type), _fast_operand(b, compute_type)
+        a, b = _fast_operands(a, b, compute_type)
     direct = (
         out_dtype is not None
         and np.dtype(out_dtype) == np.dtype(a.dtype)

@@ -283,19 +283,16 @@ def map_members(fn, operands, batched):
     free = {name for name, kind in types.items() if kind != jax.sharding.AxisType.Manual}
     used = {ax for s in shardings if _explicit(s) for d in range(len(s.spec)) for ax in _axes(s, d)}
     if used - set(axes) or any(types[name] != jax.sharding.AxisType.Explicit for name in free):
-        outs = local(*(_whole_first(o) if b else o for o, b in zip(operands, batched)))
-        return [_first_over(o, axes) for o in outs]  # typed as vmap expects: members split
+        outs = local(*(_reshard_first(o, None) if b else o for o, b in zip(operands, batched)))
+        return [_reshard_first(o, axes) for o in outs]  # typed as vmap expects: members split
     spec = PartitionSpec(axes)
     in_specs = tuple(spec if b else PartitionSpec() for b in batched)
-    return jax.shard_map(local, mesh=members.mesh, in_specs=in_specs, out_specs=spec, axis_names=free)(*operands)
+    return jax.shard_map(local, mesh=members.mesh, in_specs=in_specs, out_specs=spec, axis_names=free)(
+        *operands
+    )
 
 
-def _whole_first(x):
-    """``x`` with its first dimension gathered whole (explicit sharding)."""
-    return _first_over(x, None)
-
-
-def _first_over(x, axes):
+def _reshard_first(x, axes):
     """``x`` with its first dimension split over ``axes`` (None: whole), the others as they are."""
     sharding = jax.typeof(x).sharding
     spec = (axes, *tuple(sharding.spec)[1:])

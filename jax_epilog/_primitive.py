@@ -73,8 +73,8 @@ def _abstract_eval(*args, activation, with_aux, compute_type, d_dtype, out_dtype
 
 def _layout(args, *, activation, with_aux, **params) -> Layout:
     """Over several devices: x's rows (M) split as they come, y and the aux split alike; N
-    split as the kernel's is (the bias and y alike), the aux with it where it is unpadded
-    (each device's N a multiple of 128 for ReLU's bits, of 8 for GELU's z)."""
+    split as the kernel's is (the bias and y alike, with or without an aux), the aux with
+    it where it is unpadded and, for ReLU's bits, each device's N a multiple of 8."""
     del params
     has_bias, n = len(args) == 3, args[1].shape[1]
 
@@ -84,15 +84,17 @@ def _layout(args, *, activation, with_aux, **params) -> Layout:
 
     operand_cols = {1: 1, 2: 0} if has_bias else {1: 1}
     if not with_aux:
-        return Layout(((0,), (0,)), (), (operand_cols, {0: 1}), 1, rule("n"), whole=("k",))
+        return Layout(((0,), (0,)), (), (operand_cols, {0: 1}), rule("n"), whole=("k",))
     rows, cols = ((0,), (0, 1)), (operand_cols, {0: 1, 1: 1})
-    unit = 128 if Activation(activation) is Activation.RELU else 8
-    if n % unit:  # a padded aux cannot be cut along N: N stays whole
-        return Layout(rows, (), ({}, {}), 1, rule("n", "a"), whole=("k", "n", "a"))
-    if unit == 8:  # GELU: the aux is z itself, one factor for both
-        return Layout(rows, (), cols, unit, rule("n", "n"), whole=("k",))
+    relu = Activation(activation) is Activation.RELU
+    if n % (128 if relu else 8):  # a padded aux cannot be cut along N: it stays whole
+        return Layout(rows, (), cols, rule("n", "a"), whole=("k", "a"), packed=((1, 0),))
+    if not relu:  # GELU: the aux is z itself, one factor for both
+        return Layout(rows, (), cols, rule("n", "n"), whole=("k",))
     # ReLU: the aux holds N/8 bytes, so N is the compound of the aux's bytes and 8 bits.
-    return Layout(rows, (), cols, unit, rule("(a bits)", "a"), whole=("k", "bits"), factor_sizes=(("bits", 8),))
+    return Layout(
+        rows, (), cols, rule("(a bits)", "a"), whole=("k", "bits"), factor_sizes=(("bits", 8),), packed=((1, 8),)
+    )
 
 
 fused_matmul_p.def_abstract_eval(_abstract_eval)
@@ -265,7 +267,7 @@ def _wgrad_layout(args, **params) -> Layout:
     """Over several devices: x's and dz's rows split alike, both gradients summed over them;
     N split as dz's is, and the gradients alike."""
     del args, params
-    return Layout(((0, 1), ()), (0, 1), ({1: 1}, {0: 1, 1: 0}), 1, "m k, m n -> k n, n", whole=("k",))
+    return Layout(((0, 1), ()), (0, 1), ({1: 1}, {0: 1, 1: 0}), "m k, m n -> k n, n", whole=("k",))
 
 
 def _wgrad_reference_impl(x, dz, *, compute_type, d_dtype):
@@ -337,7 +339,7 @@ def _igrad_layout(args, **params) -> Layout:
     """Over several devices: dz's and the aux's rows split alike, and the result's with them;
     N (summed over here, before the GELU derivative) and K whole."""
     del args, params
-    return Layout(((0, 2), (0,)), (), ({}, {}), 1, "m n, k n, m a -> m k", whole=("n", "k", "a"))
+    return Layout(((0, 2), (0,)), (), ({}, {}), "m n, k n, m a -> m k", whole=("n", "k", "a"))
 
 
 def _igrad_reference_impl(dz, kernel, aux, *, compute_type):

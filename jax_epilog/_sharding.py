@@ -8,8 +8,10 @@ onto every device and run the whole GEMM on each. So each primitive's lowering g
 - the output features (N) stay split where the kernel (or, for the kernel gradient, dz)
   arrives split along N over mesh axes that do not split the rows: tensor parallelism's
   column-parallel layer. Each device then computes its own block of columns, with no
-  communication in the forward. The forward's aux must split with N, so with an aux each
-  device's N must be a multiple of the aux's packing (128 for ReLU's bits, 8 for GELU);
+  communication in the forward. The forward's aux splits with N, each device's share cut
+  from its own (padded) aux; where it cannot (a padded aux, or ReLU's bits with a device's
+  N no multiple of 8), each device computes every column, keeps its share of y and the
+  whole aux. Either way y splits as it would without an aux, so the types agree;
 - everything else (K, and N where it cannot split) is gathered whole onto each device.
 
 Each device runs the primitive on its own block, and results that sum over the rows (the
@@ -57,25 +59,30 @@ class Layout(NamedTuple):
     ``rows``: (operands, results) whose first dimension is M. ``summed``: results that are
     sums over M. ``cols``: ({operand: its N dimension}, {result: its N dimension}); the
     first operand named decides how N splits, and an empty ``cols`` keeps N whole.
-    ``n_unit``: each device's N must be a multiple of it. ``rule``: the Shardy rule, in
-    custom_partitioning's einsum-like notation with "m" for the rows and "n" (or a compound
-    factor over it, sized by ``factor_sizes``) for N; factors ``whole`` never split.
+    ``packed``: ((result, N's columns per element of it), ...) for results in ``cols`` that
+    split only where each device's N is a multiple of that (ReLU's aux: 8 bits a byte; 0:
+    never, an aux with padding). ``rule``: the Shardy rule, in custom_partitioning's
+    einsum-like notation with "m" for the rows and "n" (or a compound factor over it, sized
+    by ``factor_sizes``) for N; factors ``whole`` never split.
     """
 
     rows: tuple[tuple[int, ...], tuple[int, ...]]
     summed: tuple[int, ...]
     cols: tuple[dict[int, int], dict[int, int]]
-    n_unit: int
     rule: str
     whole: tuple[str, ...]
     factor_sizes: tuple[tuple[str, int], ...] = ()
+    packed: tuple[tuple[int, int], ...] = ()
 
 
 class Split(NamedTuple):
-    """The mesh axes that split M and N for one call (() where whole)."""
+    """The mesh axes that split M and N for one call (() where whole), and the results
+    in ``Layout.cols`` that stay whole along N (the operands' N is then gathered: each
+    device computes every column and keeps its own)."""
 
     rows: tuple[str, ...]
     cols: tuple[str, ...]
+    whole: tuple[int, ...] = ()
 
 
 def partitioned_lowering(primitive, direct, layout_of):
@@ -116,7 +123,11 @@ def _partitioned(primitive, params: dict, layout: Layout):
         out_shardings = _out_shardings(layout, mesh, result_shapes, split)
 
         def lower(*args):
-            outs = local(*args)
+            outs = list(local(*args))
+            for i, dim in layout.cols[1].items() if split.cols else ():
+                if i not in split.whole:
+                    share = result_shapes[i].shape[dim] // _size(mesh, split.cols)
+                    outs[i] = _own_columns(outs[i], dim, share, split)
             if not split.rows:
                 return outs
             return [jax.lax.psum(o, split.rows) if i in layout.summed else o for i, o in enumerate(outs)]
@@ -142,20 +153,30 @@ def _partitioned(primitive, params: dict, layout: Layout):
 def _split(layout: Layout, mesh, shapes, shardings) -> Split:
     """The mesh axes that split the first row operand's rows, if they divide M (the other
     row operands are resharded to match), and those that split N in the deciding operand,
-    if they leave the rows' axes alone and each device's N is a multiple of ``n_unit``."""
+    if they leave the rows' axes alone and divide N; the packed results that cannot split."""
     first = layout.rows[0][0]
     rows = _axes(shardings[first], 0) if isinstance(shardings[first], NamedSharding) else ()
     if rows and shapes[first][0] % _size(mesh, rows):
         rows = ()
-    cols = ()
-    if layout.cols[0]:
-        i, dim = next(iter(layout.cols[0].items()))
-        if isinstance(shardings[i], NamedSharding):
-            cols = _axes(shardings[i], dim)
-            n = shapes[i][dim]
-            if set(cols) & set(rows) or n % _size(mesh, cols) or (n // _size(mesh, cols)) % layout.n_unit:
-                cols = ()
-    return Split(rows, cols)
+    if not layout.cols[0]:
+        return Split(rows, ())
+    i, dim = next(iter(layout.cols[0].items()))
+    cols = _axes(shardings[i], dim) if isinstance(shardings[i], NamedSharding) else ()
+    n = shapes[i][dim]
+    if not cols or set(cols) & set(rows) or n % _size(mesh, cols):
+        return Split(rows, ())
+    share = n // _size(mesh, cols)
+    return Split(rows, cols, tuple(r for r, per in layout.packed if not per or share % per))
+
+
+def _own_columns(result, dim: int, share: int, split: Split):
+    """This device's ``share`` of a result's columns (dimension ``dim``): the block at its
+    index along the split's axes where it computed every column, else the first ``share``
+    of its own (a device's aux can be padded beyond its share)."""
+    if split.whole:
+        start = jax.lax.axis_index(split.cols) * share
+        return jax.lax.dynamic_slice_in_dim(result, start, share, axis=dim)
+    return jax.lax.slice_in_dim(result, 0, share, axis=dim) if result.shape[dim] != share else result
 
 
 def _size(mesh, axes) -> int:
@@ -173,7 +194,9 @@ def _dims(layout: Layout, side: int, i: int, split: Split) -> dict[int, tuple[st
     dims = {}
     if i in layout.rows[side] and split.rows:
         dims[0] = split.rows
-    if i in layout.cols[side] and split.cols:
+    # A result that stays whole along N has every device compute every column.
+    whole = bool(split.whole) if side == 0 else i in split.whole
+    if i in layout.cols[side] and split.cols and not whole:
         dims[layout.cols[side][i]] = split.cols
     return dims
 

@@ -22,7 +22,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_epilog
-from jax_epilog import _reference
+from jax_epilog import _primitive, _reference, _sharding
 
 fused_dense = functools.partial(jax_epilog.fused_dense, implementation="cublaslt")
 CPUS = jax.devices("cpu")
@@ -200,11 +200,11 @@ def column_parallel_grads(rng, rows, k, n, activation):
 
 @pytest.mark.parametrize("activation,n", [("relu", 2 * 128), ("gelu", 2 * 16), (None, 2 * 9)])
 def test_column_parallel_gradients_keep_the_weights_split(rng, seen, partitioner, activation, n):
-    """The gradient of a column-parallel layer whose aux splits with N (each device's N a
-    multiple of 128 for ReLU's bits, of 8 for GELU's z): the forward and the kernel-gradient
-    GEMM each run on one device's rows and columns, the kernel and bias gradients come back
-    split like the weights, and no weight is gathered (the sums over rows and over N are
-    all-reduces)."""
+    """The gradient of a column-parallel layer whose aux splits with N, unpadded on each
+    device (its N a multiple of 128 for ReLU's bits, of 8 for GELU's z): the forward and
+    the kernel-gradient GEMM each run on one device's rows and columns, the kernel and bias
+    gradients come back split like the weights, and no weight is gathered (the sums over
+    rows and over N are all-reduces)."""
     grad, got, args = column_parallel_grads(rng, 5, 13, n, activation)
     assert [g.sharding.spec for g in got] == [P("data"), P(None, "model"), P("model")]
     assert seen["dense"] == [(5, 13, n // 2)] * (activation is not None)  # (no activation: XLA's dot)
@@ -214,14 +214,44 @@ def test_column_parallel_gradients_keep_the_weights_split(rng, seen, partitioner
     assert collectives(text)["all-reduce"] >= 2  # dx over "model"; the weight gradients over "data"
 
 
-@pytest.mark.parametrize("activation,n", [("relu", 2 * 64), ("relu", 2 * 40), ("gelu", 2 * 12)])
+@pytest.mark.parametrize("activation,n", [("relu", 2 * 64), ("gelu", 2 * 12)])
+def test_each_device_cuts_its_aux_from_its_own(rng, seen, partitioner, activation, n):
+    """Each device's N no multiple of the aux's padding (128 bits for ReLU, 8 for GELU):
+    each device still computes its own columns, and cuts its share of the unpadded aux
+    from its own padded one; no weight is gathered."""
+    grad, got, args = column_parallel_grads(rng, 6, 9, n, activation)
+    assert seen["dense"] == [(6, 9, n // 2)]
+    assert seen["weight_grad"] == weight_grad_traced(activation, (6, 9, n // 2), (12, 9, n))
+    assert got[1].sharding.spec == P(None, "model")
+    assert collectives(grad.lower(*args).compile().as_text())["all-gather"] == 0
+
+
+@pytest.mark.parametrize("activation,n", [("relu", 2 * 40), ("gelu", 2 * 9)])
 def test_a_padded_aux_keeps_n_whole_in_the_forward(rng, seen, partitioner, activation, n):
-    """Each device's N not a multiple of the aux's packing: the forward that saves the aux
-    gathers the weights (its aux is then the whole layout), the kernel gradient still splits."""
-    _, got, _ = column_parallel_grads(rng, 6, 9, n, activation)
+    """N no multiple of the aux's padding: the aux cannot be cut along N, so the forward
+    that saves it gathers the weights and each device computes every column; it keeps its
+    own block of y (split as without an aux) and the whole aux. The kernel gradient still
+    splits."""
+    _, got, (x, w, b, _) = column_parallel_grads(rng, 6, 9, n, activation)
     assert seen["dense"] == [(6, 9, n)]
     assert seen["weight_grad"] == weight_grad_traced(activation, (6, 9, n // 2), (12, 9, n))
     assert got[1].sharding.spec == P(None, "model")
+    y, aux = jax.jit(lambda x, w, b: fused_dense(x, w, b, activation=activation, return_aux=True))(x, w, b)
+    assert_near(y, reference(*(np.asarray(a) for a in (x, w, b)), activation))
+    assert (y.sharding.spec, aux.sharding.spec) == (P("data", "model"), P("data"))
+
+
+@pytest.mark.parametrize("devices,n,whole", [(16, 128, ()), (32, 128, (1,)), (2, 40, (1,)), (1, 128, ())])
+def test_relu_bits_split_only_by_whole_bytes(devices, n, whole):
+    """The ReLU aux packs 8 columns a byte: where a device's N (n / devices) is no multiple
+    of 8, the aux stays whole and the operands' N is gathered (meshes this large are ruled
+    on, not run)."""
+    abstract = jax.sharding.AbstractMesh((devices,), ("model",))
+    x, w = jax.ShapeDtypeStruct((64, 8), jnp.float32), jax.ShapeDtypeStruct((8, n), jnp.float32)
+    layout = _primitive._layout((x, w), activation="relu", with_aux=True)
+    shardings = [NamedSharding(abstract, P()), NamedSharding(abstract, P(None, "model"))]
+    split = _sharding._split(layout, abstract, [x.shape, w.shape], shardings)
+    assert split == _sharding.Split((), ("model",), whole)
 
 
 def test_rows_that_do_not_divide_evenly_are_gathered(rng, seen):
@@ -508,19 +538,27 @@ def test_explicit_sharding_ensemble_on_a_two_axis_mesh(rng, specs, kept, partiti
         assert jax.typeof(g).sharding.spec == jax.typeof(primal).sharding.spec
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError, reason="known: the fwd rule's y is typed N-whole")
-def test_explicit_sharding_ensemble_gradient_with_n_split_finer_than_the_aux(rng):
-    """Known limitation (since explicit sharding came in): vmap over weights split along N
-    where each device's N is no multiple of the aux's packing (8 for GELU). The primal's y
-    splits N, the custom_vjp fwd rule's (which also writes the aux) cannot, and the check
-    of the custom_vjp under a jitted vmap refuses the mismatch. Without vmap, or without
-    that inner jit, such a layer differentiates."""
+@pytest.mark.parametrize(
+    "activation,n", [("gelu", 2 * 4), ("gelu", 2 * 5), ("relu", 2 * 64), ("relu", 2 * 20)],
+    ids=["gelu-cut", "gelu-padded", "relu-cut", "relu-padded"],
+)
+def test_explicit_sharding_ensemble_gradient_with_n_split_finer_than_the_aux(rng, activation, n):
+    """vmap over weights split along N where each device's N is no multiple of the aux's
+    padding: the gradient's forward types y split along N as the primal does (each device
+    cuts its share of the aux, or, where the aux is padded, computes every column and keeps
+    its own), so the custom_vjp's check under a jitted vmap accepts it."""
     m = mesh((2, 2), ("a", "b"), AxisType.Explicit)
-    x, w, b = rng.standard_normal((8, 6, 10)), rng.standard_normal((8, 10, 8)) / 3, rng.standard_normal((8, 8))
+    x, w, b = rng.standard_normal((8, 6, 10)), rng.standard_normal((8, 10, n)) / 3, rng.standard_normal((8, n))
     specs = (P("a"), P("a", None, "b"), P("a", "b"))
-    args = [put(m, jnp.asarray(a, jnp.float32), *spec) for a, spec in zip((x, w, b), specs)]  # (float64: fine)
-    layer = jax.jit(jax.vmap(functools.partial(fused_dense, activation="gelu")))  # (unjitted: fine)
-    jax.jit(jax.grad(lambda *a: jnp.sum(layer(*a) ** 2), argnums=(0, 1, 2)))(*args)
+    args = [put(m, jnp.asarray(a, jnp.float32), *spec) for a, spec in zip((x, w, b), specs)]
+    layer = jax.jit(jax.vmap(functools.partial(fused_dense, activation=activation)))
+    plain = lambda x, w, b: act_fn(activation)(jnp.einsum("emk,ekn->emn", x, w) + b[:, None])
+    loss = lambda f: lambda *a: jnp.sum(f(*a) ** 2)
+    got = jax.jit(jax.grad(loss(layer), argnums=(0, 1, 2)))(*args)
+    for g, want, primal in zip(got, jax.grad(loss(plain), argnums=(0, 1, 2))(x, w, b), args):
+        want = np.asarray(want)  # float64, against float32 gradients
+        np.testing.assert_allclose(np.asarray(g), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+        assert jax.typeof(g).sharding.spec == jax.typeof(primal).sharding.spec
 
 
 def test_explicit_sharding_ensemble_of_fused_mlps_keeps_members_split(rng):

@@ -192,10 +192,12 @@ def fused_dense(
     the mask (fwd+bwd 0.92-1.00x XLA at 8192x1024->4096 against 0.83-0.94x with BGRADA;
     benchmarks/README.md, 2026-12-04 (u)). With ``return_aux=True`` the GELU
     aux is differentiable (it is ``z``); the ReLU mask is not. Forward mode (``jax.jvp``,
-    ``jax.jacfwd``, ``jax.hessian``) works with ``"xla"`` and ``"auto"``, whose derivatives
-    are always those of the plain expression (even where the value is the fused kernel's);
-    the op itself (``"cublaslt"``, and ``"auto"`` with ``return_aux=True`` or a 16-bit
-    compute type) is a ``jax.custom_vjp`` and raises.
+    ``jax.jacfwd``) works with ``"xla"`` and ``"auto"``, whose derivatives are always those
+    of the plain expression (even where the value is the fused kernel's); the op itself
+    (``"cublaslt"``, and ``"auto"`` with ``return_aux=True`` or a 16-bit compute type) is a
+    ``jax.custom_vjp`` and raises. A gradient differentiates again with every
+    implementation (``jax.grad`` of a gradient, ``jax.hessian``): the fused primitives'
+    own derivatives are their reference math's.
     """
     _check_array(x, "x")
     act, dtype, ct, f32_bias = check_layer("fused_dense", x.shape, x, kernel, bias, activation, compute_type)

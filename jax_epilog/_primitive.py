@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Primitive
-from jax.interpreters import batching, mlir
+from jax.interpreters import ad, batching, mlir
 
 from . import _reference
 from ._epilogs import (
@@ -123,7 +123,23 @@ def _impl_of(primitive: Primitive):
     return impl
 
 
+def _jvp_of_reference(primitive: Primitive, reference):
+    """Differentiation rule for ``primitive``: its own value, with the tangents of
+    ``reference``, its math in plain XLA ops (which reverse mode can transpose), so that a
+    gradient made of the fused primitives can be differentiated again (grad of grad,
+    ``jax.hessian``). Such derivatives recompute what the tangents need (z for the
+    activation's derivative) from the primals."""
+
+    def jvp(primals, tangents, **params):
+        tangents = [ad.instantiate_zeros(t) for t in tangents]
+        _, out_tangents = jax.jvp(functools.partial(reference, **params), list(primals), tangents)
+        return primitive.bind(*primals, **params), out_tangents
+
+    ad.primitive_jvps[primitive] = jvp
+
+
 fused_matmul_p.def_impl(_impl_of(fused_matmul_p))
+_jvp_of_reference(fused_matmul_p, _reference_impl)
 _reference_lowering = mlir.lower_fun(_reference_impl, multiple_results=True)
 mlir.register_lowering(fused_matmul_p, partitioned_lowering(fused_matmul_p, _reference_lowering, _layout))
 
@@ -276,6 +292,7 @@ def _wgrad_reference_impl(x, dz, *, compute_type, d_dtype):
 
 fused_weight_grad_p.def_abstract_eval(_wgrad_abstract_eval)
 fused_weight_grad_p.def_impl(_impl_of(fused_weight_grad_p))
+_jvp_of_reference(fused_weight_grad_p, _wgrad_reference_impl)
 _wgrad_reference_lowering = mlir.lower_fun(_wgrad_reference_impl, multiple_results=True)
 mlir.register_lowering(
     fused_weight_grad_p, partitioned_lowering(fused_weight_grad_p, _wgrad_reference_lowering, _wgrad_layout)
@@ -348,6 +365,7 @@ def _igrad_reference_impl(dz, kernel, aux, *, compute_type):
 
 fused_gelu_input_grad_p.def_abstract_eval(_igrad_abstract_eval)
 fused_gelu_input_grad_p.def_impl(_impl_of(fused_gelu_input_grad_p))
+_jvp_of_reference(fused_gelu_input_grad_p, _igrad_reference_impl)
 _igrad_reference_lowering = mlir.lower_fun(_igrad_reference_impl, multiple_results=True)
 mlir.register_lowering(
     fused_gelu_input_grad_p,

@@ -46,12 +46,12 @@ Differences from ``nn.Dense``:
 * **dot_general / dot_general_cls** are not fields: the GEMM *is* the fused kernel, so a
   custom dot_general (quantized matmuls, AQT, ...) cannot be honoured. Passing either raises
   ``TypeError`` (an unknown field).
-* **Forward-mode autodiff** (``jax.jvp``, ``jax.jacfwd``, ``jax.hessian``) works with
+* **Forward-mode autodiff** (``jax.jvp``, ``jax.jacfwd``) works with
   ``implementation="auto"`` (the default) and ``"xla"``, whose derivatives are the plain
   expression's, and raises with ``"cublaslt"`` or a 16-bit ``compute_type`` (the fused
   op is a ``jax.custom_vjp``; ``FusedMLP`` raises wherever ``fused_mlp`` does). Reverse
-  mode (``jax.grad``) works in all arguments, as do ``jax.jit``, ``jax.vmap``,
-  ``nn.scan``, ``nn.vmap`` and ``nn.remat``.
+  mode (``jax.grad``) works in all arguments, and to any order (``jax.hessian`` too), as do
+  ``jax.jit``, ``jax.vmap``, ``nn.scan``, ``nn.vmap`` and ``nn.remat``.
 * **Automatic names.** Linen names an unnamed submodule after its class, so in a
   ``@nn.compact`` parent ``FusedDense`` layers are ``FusedDense_0, ...`` where ``nn.Dense``
   layers are ``Dense_0, ...`` (and draw different initial values, since Linen folds the

@@ -210,6 +210,44 @@ def test_check_grads_reverse_mode(rng, dtype, activation, with_bias):
     check_grads(f, tuple(map(jnp.asarray, args)), order=1, modes=("rev",), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("return_aux", [False, True], ids=["y", "y-and-aux"])
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("activation", ACTIVATIONS, ids=str)
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_gradients_differentiate_again(rng, dtype, activation, with_bias, return_aux):
+    """Reverse over reverse (a gradient penalty, MAML, a Hessian): the fused primitives
+    differentiate through their reference math, so a gradient of the op has the plain
+    expression's derivatives: checked numerically, and against the expression's gradient
+    of a gradient penalty and its Hessian in the kernel (float64). With ``return_aux`` the
+    aux (ReLU's integer bits among them) is an output too."""
+    x, w, b = make_inputs(rng, (5, 9), 6, dtype, bias=with_bias, activation=activation, margin=0.05)
+    args = tuple(jnp.asarray(a) for a in ((x, w) if b is None else (x, w, b)))
+
+    def loss(layer):
+        return lambda x, w, *b: jnp.sum(jnp.sin(layer(x, w, b[0] if b else None, activation=activation)))
+
+    def layer(*args, **kwargs):
+        return fused_dense(*args, **kwargs, return_aux=True)[0] if return_aux else fused_dense(*args, **kwargs)
+
+    fused = loss(layer)
+    plain = loss(lambda x, w, b, activation: act_fn(activation)(x @ w + (0.0 if b is None else b)))
+    tol = 2e-2 if dtype == "float32" else 1e-5
+    check_grads(fused, args, order=2, modes=("rev",), atol=tol, rtol=tol)
+
+    argnums = tuple(range(len(args)))
+    penalty = lambda f: lambda *a: jnp.sum(jax.grad(f, argnums=1)(*a) ** 2)
+    hessian = lambda f: jax.hessian(f, argnums=1)
+    as64 = [jnp.asarray(np.asarray(a, np.float64)) for a in args]
+    for name, got, want in (
+        ("penalty", jax.grad(penalty(fused), argnums)(*args), jax.grad(penalty(plain), argnums)(*as64)),
+        ("hessian", [hessian(fused)(*args)], [hessian(plain)(*as64)]),
+    ):
+        for g, r in zip(got, want, strict=True):
+            r = np.asarray(r)
+            err = np.abs(np.asarray(g, np.float64) - r).max() / np.abs(r).max()
+            assert err <= (1e-4 if dtype == "float32" else 1e-12), f"{name}: relative error {err:.3g}"
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_gelu_aux_is_differentiable_and_relu_mask_is_not(rng, dtype):
     x, w, b = make_inputs(rng, (2, 5, 13), 11, dtype)

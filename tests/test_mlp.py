@@ -205,6 +205,28 @@ def test_check_grads_reverse_mode(rng, dtype, implementation):
     check_grads(f, _as_jnp(x, layers), order=1, modes=("rev",), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_gradients_differentiate_again(rng, dtype):
+    """A linked block's gradient (its DGELU input gradient among the fused primitives)
+    differentiates again, as the plain stack's does: checked numerically, and the gradient
+    of a gradient penalty against the float64 stack's."""
+    activations = ("relu", "gelu", None)
+    x, layers = _as_jnp(*draw(rng, (5, 6), (9, 7, 4), dtype, activations, margin=0.1))
+    loss = lambda mlp: lambda x, layers: jnp.sum(jnp.sin(mlp(x, layers, activations)))
+    fused = loss(functools.partial(fused_mlp, implementation="cublaslt"))
+    linked = "jax_epilog_fused_gelu_input_grad" in _ops(jax.grad(fused), x, layers)
+    assert linked == (dtype == "float32")  # (float64 blocks are not linked)
+    tol = 2e-2 if dtype == "float32" else 1e-5
+    check_grads(fused, (x, layers), order=2, modes=("rev",), atol=tol, rtol=tol)
+    penalty = lambda f: lambda x, layers: jnp.sum(jax.grad(f)(x, layers) ** 2)
+    got = jax.grad(penalty(fused), argnums=(0, 1))(x, layers)
+    want = jax.grad(penalty(loss(reference_mlp)), argnums=(0, 1))(*_as_jnp(*_to64((x, layers))))
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        r = np.asarray(r)
+        err = np.abs(np.asarray(g, np.float64) - r).max() / np.abs(r).max()
+        assert err <= (1e-4 if dtype == "float32" else 1e-12), f"relative error {err:.3g}"
+
+
 def _ops(f, *args) -> str:
     return str(jax.make_jaxpr(f)(*args))
 

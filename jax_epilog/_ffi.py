@@ -26,9 +26,15 @@ import numpy as np
 
 from ._epilogs import EpilogSpec
 
-__all__ = ["TARGET_NAME", "call", "ensure_registered", "handler_stats", "spec_key", "trace_handler"]
+__all__ = [
+    "EXPORT_CHECKS", "TARGET_NAME", "call", "ensure_registered", "handler_stats", "spec_key", "trace_handler",
+]  # fmt: skip
 
 TARGET_NAME = "jax_epilog_fused_matmul"
+# What ``jax.export`` must be told to allow a program holding the custom call: it has no
+# compatibility guarantee beyond this version of jax_epilog (its attributes are this
+# version's problem description).
+EXPORT_CHECKS = (jax.export.DisabledSafetyCheck.custom_call(TARGET_NAME),)
 
 _FFI_API_VERSION = (0, 1)
 _COMMAND_BUFFER_COMPATIBLE = 1
@@ -176,7 +182,7 @@ class _Handler:
             arg2 = mem[(mem[args + 2] >> 3) + _B_DATA] if mem[f + _F_NARGS] > 2 else 0
             d = mem[(mem[rets] >> 3) + _B_DATA]
             ret1 = mem[(mem[rets + 1] >> 3) + _B_DATA] if mem[f + _F_NRETS] > 1 else 0
-            alignment = self._nvmath.alignment_of(b, a, d, arg2, ret1)
+            alignment = (self._nvmath or self._load_nvmath()).alignment_of(b, a, d, arg2, ret1)
             plan = self._plans.get((key, stream, alignment))
             if plan is None:
                 plan = self._make_plan(key, stream, alignment, d, frame)
@@ -211,6 +217,13 @@ class _Handler:
         dispatched the jitted call, which already has one; other runtimes may differ.)
         """
         self._pinned.state = ctypes.pythonapi.PyGILState_Ensure()
+
+    def _load_nvmath(self):
+        """nvmath-python's side, imported at the first call (registration does not need it)."""
+        from . import _nvmath  # the GPU path's only entry into nvmath
+
+        self._nvmath = _nvmath
+        return _nvmath
 
     def _any_api(self) -> _Api:
         return next(iter(self._apis.values()))
@@ -313,16 +326,17 @@ def trace_handler(enable: bool) -> list[tuple[int, ...]] | None:
 
 
 def ensure_registered() -> None:
-    """Register the CUDA target with XLA (once; call only after the backend is up)."""
+    """Register the CUDA target with XLA, once: at import (``_primitive``), so that a
+    program holding the custom call runs in any process that imported jax_epilog, one
+    deserialized by ``jax.export`` included. Touches neither the GPU nor nvmath-python:
+    XLA holds the registration until its CUDA backend starts, and the handler imports
+    nvmath at its first call."""
     global _registered
     if _registered:
         return
     with _register_lock:
         if _registered:
             return
-        from . import _nvmath  # the GPU path's only entry into nvmath
-
-        _handler._nvmath = _nvmath
         capsule_new = ctypes.pythonapi.PyCapsule_New
         capsule_new.restype = ctypes.py_object
         capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]

@@ -11,7 +11,8 @@ reaches a running program). Everywhere else, and for whatever the fast path cann
 (float64, empty dimensions, a refused problem), it lowers to ``_reference.dense``: the same
 outputs in the same aux layout. Falling back on a GPU is announced once with a warning.
 Over several devices every lowering first splits the primitive by rows, and by N where it
-can (``_sharding``; each primitive's ``Layout`` says where its M and N are).
+can (``_sharding``; each primitive's ``Layout`` says where its M and N are). Each
+primitive differentiates through its reference math (for derivatives of a gradient).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from . import _reference
+from . import _ffi, _reference
 from ._epilogs import (
     Activation,
     ComputeType,
@@ -167,10 +168,9 @@ def _warn_once(reason: str) -> None:
 def _fast_path_refusal(spec: EpilogSpec) -> str | None:
     """Why the cuBLASLt path cannot serve ``spec`` (None when it can); plans if it can."""
     try:
-        from . import _ffi, _nvmath
+        from . import _nvmath
     except ImportError as exc:
         return f"nvmath-python/cupy are not importable ({exc}); install jax_epilog[cuda12|cuda13]"
-    _ffi.ensure_registered()
     try:
         _nvmath.get_plan(spec, _nvmath.current_device(), autotune=True)
     except _nvmath.PlanningError as exc:
@@ -224,8 +224,6 @@ def _cuda_lowering(ctx, x, kernel, *bias, activation, with_aux, compute_type, d_
             spec = spec_of(x_aval, k_aval, b_aval, activation, with_aux, compute_type, d_dtype)
 
     def fused(x, kernel, *bias):
-        from . import _ffi
-
         # D in the epilog's dtype, then the aux as the primitive returns it.
         results = [jax.ShapeDtypeStruct((spec.m, spec.n), d_dtype), *_results(ctx.avals_out[1:])]
         d, *aux = _ffi.call((x, kernel, *bias), results, spec)
@@ -235,6 +233,9 @@ def _cuda_lowering(ctx, x, kernel, *bias, activation, with_aux, compute_type, d_
 
 
 mlir.register_lowering(fused_matmul_p, partitioned_lowering(fused_matmul_p, _cuda_lowering, _layout), platform="cuda")
+# The custom call's handler, registered now: a program holding it may come from
+# elsewhere (``jax.export``) and never be lowered in this process.
+_ffi.ensure_registered()
 
 
 def _batch(args, dims, **params):
@@ -316,8 +317,6 @@ def _wgrad_cuda_lowering(ctx, x, dz, *, compute_type, d_dtype):
         )  # fmt: skip
 
     def fused(x, dz):
-        from . import _ffi
-
         return _ffi.call((x, dz), _results(ctx.avals_out), spec)
 
     return _lower_fused_or_reference(ctx, (x, dz), spec, _wgrad_reference_lowering, params, fused)
@@ -390,8 +389,6 @@ def _igrad_cuda_lowering(ctx, dz, kernel, aux, *, compute_type):
         )  # fmt: skip
 
     def fused(dz, kernel, aux):
-        from . import _ffi
-
         return _ffi.call((dz, kernel, aux), _results(ctx.avals_out), spec)
 
     return _lower_fused_or_reference(ctx, (dz, kernel, aux), spec, _igrad_reference_lowering, params, fused)

@@ -215,3 +215,46 @@ def test_failures_are_returned_to_xla_as_errors(handler):
     frame = _forward_frame(x=0x10004)  # XLA promises 16 bytes
     assert frame(handler) == 0xE0001
     assert "not 16-byte aligned" in frame.errors[0]
+
+
+def test_the_handler_imports_nvmath_at_its_first_call(monkeypatch):
+    """Registration (at import) needs no nvmath: the handler imports it when XLA first
+    calls it, and an import failure there is an error returned to XLA, not a crash."""
+    import sys
+
+    import jax_epilog
+
+    monkeypatch.delattr(jax_epilog, "_nvmath", raising=False)
+    monkeypatch.setitem(sys.modules, "jax_epilog._nvmath", None)  # as without nvmath-python
+    handler = _ffi._Handler()
+    frame = _forward_frame()
+    assert frame(handler) == 0xE0001
+    assert frame.errors[0].startswith("jax_epilog: fused matmul failed: ModuleNotFoundError")
+
+    plans = []
+    fake = SimpleNamespace(
+        alignment_of=lambda *ptrs: 256,
+        device_of=lambda ptr: 0,
+        get_plan=lambda spec, device, alignment: plans.append(spec) or FakePlan(spec),
+    )
+    monkeypatch.setitem(sys.modules, "jax_epilog._nvmath", fake)
+    assert _forward_frame()(handler) is None
+    assert plans == [FORWARD] and handler._nvmath is fake
+
+
+def test_importing_registers_the_target_without_nvmath_or_the_gpu():
+    """A fresh interpreter: ``import jax_epilog`` registers the custom call's handler (so a
+    deserialized program can run) and imports neither nvmath-python nor cupy, nor starts
+    a JAX backend."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, jax_epilog\n"
+        "from jax._src import xla_bridge\n"
+        "assert jax_epilog._ffi._registered\n"
+        "assert not {'nvmath', 'cupy', 'jax_epilog._nvmath'} & set(sys.modules), sorted(sys.modules)\n"
+        "assert not xla_bridge._backends, xla_bridge._backends\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]

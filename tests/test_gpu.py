@@ -520,3 +520,50 @@ def test_the_handler_plans_on_a_pjrt_worker_thread(rng):
     command = [sys.executable, "-c", textwrap.dedent(code)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+
+
+_EXPORTED_CALL = """
+import sys
+import jax, jax.numpy as jnp, numpy as np
+import jax_epilog
+
+def arrays(name):
+    with np.load(sys.argv[1] + "/" + name + ".npz") as f:
+        return [f[f"arr_{{i}}"] for i in range(len(f.files))]
+
+inputs = [jnp.asarray(a, jnp.bfloat16) for a in arrays("inputs")]  # (bfloat16 values, saved as float32)
+for name in ("forward", "grad"):
+    exported = jax.export.deserialize(open(sys.argv[1] + "/" + name + ".bin", "rb").read())
+    got = [np.asarray(r, np.float32) for r in jax.tree.leaves(exported.call(*inputs))]
+    for g, r in zip(got, arrays(name), strict=True):
+        scale = max(1.0, float(np.abs(r).max()))
+        assert np.abs(g - r).max() <= {tol} * scale, (name, float(np.abs(g - r).max()), scale)
+calls, _, resolved = jax_epilog._ffi.handler_stats()
+assert calls == 3 and resolved == 3, (calls, resolved)  # the forward, and the grad's forward and BGRADA
+assert not jax_epilog._nvmath._tuned, "a plan was tuned: something was lowered here"
+print("handler calls", calls)
+"""
+
+
+def test_an_exported_program_runs_in_a_process_that_never_lowered_it(rng, tmp_path):
+    """jax.export of a program holding the fused custom call (allowed by EXPORT_CHECKS),
+    serialized, then deserialized and called in a fresh process that only imported
+    jax_epilog: the handler, registered at import, decodes each problem from the call's
+    attributes and plans it, and the results match this process's."""
+    pytest.importorskip("flatbuffers", reason="jax.export's serialization needs flatbuffers")
+    from jax_epilog._ffi import TARGET_NAME
+
+    x, w, b = _inputs(rng, 40, 24, 72, "bfloat16")
+    forward = jax.jit(lambda x, w, b: fused_dense(x, w, b, activation="gelu"))
+    grad = jax.jit(jax.grad(lambda *a: jnp.sum(forward(*a).astype(jnp.float32) ** 2), argnums=(0, 1, 2)))
+    with pytest.raises(ValueError, match=TARGET_NAME):
+        jax.export.export(forward)(x, w, b)  # jax.export's safety check, unless told otherwise
+    for name, f in (("forward", forward), ("grad", grad)):
+        exported = jax.export.export(f, disabled_checks=jax_epilog.EXPORT_CHECKS)(x, w, b)
+        assert f"@{TARGET_NAME}(" in exported.mlir_module()
+        (tmp_path / f"{name}.bin").write_bytes(exported.serialize())
+        np.savez(tmp_path / f"{name}.npz", *(np.asarray(r, np.float32) for r in jax.tree.leaves(f(x, w, b))))
+    np.savez(tmp_path / "inputs.npz", *(np.asarray(a, np.float32) for a in (x, w, b)))
+    command = [sys.executable, "-c", _EXPORTED_CALL.format(tol=TOL["bfloat16"]), str(tmp_path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from helpers import act_fn
 
-from jax_epilog import FastPathWarning, _primitive, fused_dense, fused_mlp
+from jax_epilog import EXPORT_CHECKS, FastPathWarning, _primitive, fused_dense, fused_mlp
 
 TARGET = "jax_epilog_fused_matmul"
 op = functools.partial(fused_dense, implementation="cublaslt")
@@ -119,6 +119,23 @@ def test_symbolic_shapes_export_with_xla_math(rng, cublaslt_accepts, implementat
     y = jax.export.export(jax.jit(dense))(*specs).call(x, w)
     want = act_fn("gelu")(np.asarray(x, np.float64) @ np.asarray(w, np.float64))
     np.testing.assert_allclose(np.asarray(y, np.float64), want, rtol=2e-2, atol=2e-2)
+
+
+def test_export_refuses_the_custom_call_unless_export_checks_allow_it(cublaslt_accepts):
+    """jax.export guards against custom calls without compatibility guarantees: exporting
+    a fused program for "cuda" raises, naming our target, unless ``EXPORT_CHECKS`` is
+    passed; the exported module then holds the fused calls of the forward and of its
+    gradient (running one elsewhere: tests/test_gpu.py)."""
+    x, w, b = _args(jnp.bfloat16)
+    forward = jax.jit(functools.partial(op, activation="gelu"))
+    grad = jax.jit(jax.grad(lambda *a: forward(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2)))
+    with pytest.raises(ValueError, match=TARGET):
+        jax.export.export(forward, platforms=("cuda",))(x, w, b)
+    for f, count in ((forward, 1), (grad, 2)):  # the grad's forward and BGRADA GEMM
+        exported = jax.export.export(f, platforms=("cuda",), disabled_checks=EXPORT_CHECKS)(x, w, b)
+        assert len(_calls(exported.mlir_module())) == count
+        loaded = jax.export.deserialize(exported.serialize())  # (needs flatbuffers: the test extra)
+        assert len(_calls(loaded.mlir_module())) == count and loaded.platforms == ("cuda",)
 
 
 def test_eager_calls_work_with_jit_disabled(rng):

@@ -31,6 +31,35 @@ def _words(*values):
     return (ctypes.c_uint64 * len(values))(*values)
 
 
+class _Api:
+    """One XLA_FFI_Api table for every frame, as XLA has one: the handler binds a table's
+    functions once, by its address (a table per frame, freed with it, could come back at
+    an address the handler has bound to functions since freed). Each call reaches the
+    frame being run."""
+
+    def __init__(self):
+        self.frame = None
+
+        def stream_get(p):
+            self.frame.stream_calls += 1
+            ctypes.c_uint64.from_address(p + 24).value = _STREAM  # Stream_Get_Args.stream
+
+        def error_create(p):
+            message = ctypes.c_char_p.from_address(p + 16).value.decode()
+            self.frame.errors.append(message)
+            return 0xE0000 + len(self.frame.errors)
+
+        self._fns = (_API_FN(error_create), _API_FN(stream_get))
+        fn = [ctypes.cast(f, ctypes.c_void_p).value for f in self._fns]
+        # XLA_FFI_Api: struct_size, ext, api_version (3 words), internal_api, Error_Create,
+        # Error_GetMessage, Error_Destroy, Handler_Register, Stream_Get.
+        self._table = _words(88, 0, 0, 0, 0, 0, fn[0], 0, 0, 0, fn[1])
+        self.address = ctypes.addressof(self._table)
+
+
+_API = _Api()
+
+
 class Frame:
     """An XLA_FFI_CallFrame and everything it points to (kept alive by this object)."""
 
@@ -38,21 +67,7 @@ class Frame:
         self._keep = []
         self.errors: list[str] = []
         self.stream_calls = 0
-
-        def stream_get(p):
-            self.stream_calls += 1
-            ctypes.c_uint64.from_address(p + 24).value = _STREAM  # Stream_Get_Args.stream
-
-        def error_create(p):
-            message = ctypes.c_char_p.from_address(p + 16).value.decode()
-            self.errors.append(message)
-            return 0xE0000 + len(self.errors)
-
-        self._fns = (_API_FN(error_create), _API_FN(stream_get))
-        fn = [ctypes.cast(f, ctypes.c_void_p).value for f in self._fns]
-        # XLA_FFI_Api: struct_size, ext, api_version (3 words), internal_api, Error_Create,
-        # Error_GetMessage, Error_Destroy, Handler_Register, Stream_Get.
-        api = self._keep_addr(_words(88, 0, 0, 0, 0, 0, fn[0], 0, 0, 0, fn[1]))
+        api = _API.address
         args_ptrs = [self._buffer(dtype, data) for dtype, data in args]
         rets_ptrs = [self._buffer(dtype, data) for dtype, data in rets]
         names, values, types = [], [], []
@@ -88,6 +103,7 @@ class Frame:
         return self._keep_addr(_words(48, 0, dtype, data, 1, 0))  # XLA_FFI_Buffer
 
     def __call__(self, handler) -> int | None:
+        _API.frame = self
         return handler(ctypes.addressof(self.frame))
 
 

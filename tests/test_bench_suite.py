@@ -811,6 +811,26 @@ def test_grad_floor_probe_times_the_gemms_a_layers_gradient_needs_on_cpu(rng, tm
     assert "XLA / GEMMs (most gain)" in capsys.readouterr().out
 
 
+def test_second_order_probe_times_one_gradient_of_a_penalty_three_ways_on_cpu(rng, tmp_path, capsys):
+    from benchmarks.probes import second_order
+    from benchmarks.training import layer_inputs
+
+    m, k, n = (int(v) for v in rng.integers(17, 60, size=3))
+    args = layer_inputs(m, k, n, rng)
+    for activation in ("relu", "gelu"):
+        grads = {c: f(*args) for c, f in second_order.programs(activation).items()}
+        for c in ("auto", "cublaslt"):  # the same derivatives (bf16 arithmetic)
+            for got, want in zip(grads[c], grads["xla"], strict=True):
+                want = np.asarray(want, np.float32)
+                scale = max(1.0, float(np.abs(want).max()))
+                assert np.abs(np.asarray(got, np.float32) - want).max() <= 5e-2 * scale, (activation, c)
+    second_order.main(["--shape", "40", "24", "56", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "second_order.json").read_text())["rows"]
+    assert [(r["shape"], r["activation"]) for r in rows] == [("40x24->56", "relu"), ("40x24->56", "gelu")]
+    assert all(r[f"{c}_us"] > 0 for r in rows for c in second_order.CONTENDERS)
+    assert "XLA / cublaslt" in capsys.readouterr().out
+
+
 def test_mlp_rows_time_each_activation_interleaved(monkeypatch):
     from benchmarks import training
 

@@ -58,7 +58,7 @@ def unpack_relu_mask(mask: jax.Array, n: int) -> jax.Array:
     return jnp.unpackbits(mask, axis=-1, count=n, bitorder="little").astype(bool)
 
 
-def _epilog_dtype(ab_dtype: np.dtype, compute_type: ComputeType) -> np.dtype:
+def _epilog_dtype(ab_dtype: np.dtype, compute_type: ComputeType | None) -> np.dtype:
     if ab_dtype == np.float64:
         return np.dtype(np.float64)
     if compute_type in (ComputeType.COMPUTE_16F, ComputeType.COMPUTE_16F_PEDANTIC):
@@ -94,10 +94,12 @@ def _fast_operands(a: jax.Array, b: jax.Array, compute_type: ComputeType) -> tup
 
 
 def _matmul(
-    a: jax.Array, b: jax.Array, contract: tuple[int, int], compute_type: ComputeType, out_dtype=None
+    a: jax.Array, b: jax.Array, contract: tuple[int, int], compute_type: ComputeType | None, out_dtype=None
 ) -> jax.Array:
     """``a`` and ``b`` contracted over one axis each, accumulated as ``compute_type`` does;
-    in the accumulator's dtype, or in ``out_dtype`` when given.
+    in the accumulator's dtype, or in ``out_dtype`` when given. ``compute_type=None``: as
+    in ``plain``, in the operands' dtype (the math the fused primitives are differentiated
+    through: its transposed GEMMs stay in that dtype, as in XLA's own autodiff).
 
     Half operands with the default COMPUTE_32F and a result in their own dtype ask XLA for
     that dtype directly, as its autodiff of the plain expression does: its GEMMs still
@@ -111,6 +113,13 @@ def _matmul(
     Under explicit sharding a product of two matrices says how it is split (as the
     dimensions it keeps are): one summed over a split dimension (the rows in the kernel
     gradient, N in dx) must."""
+    kept = (1 - contract[0], 1 - contract[1])
+    out_sharding = explicit_product(a, b, *kept) if a.ndim == b.ndim == 2 else None
+    dims = (((contract[0],), (contract[1],)), ((), ()))
+    if compute_type is None:
+        precision = jax.lax.Precision.HIGHEST if np.dtype(a.dtype).itemsize >= 4 else jax.lax.Precision.DEFAULT
+        product = jax.lax.dot_general(a, b, dims, precision=precision, out_sharding=out_sharding)
+        return product if out_dtype is None else product.astype(out_dtype)
     fast = compute_type.name.startswith("COMPUTE_32F_FAST")
     if fast:
         a, b = _fast_operands(a, b, compute_type)
@@ -120,12 +129,10 @@ def _matmul(
         and np.dtype(a.dtype).name in HALF_DTYPES
         and compute_type is ComputeType.COMPUTE_32F
     )
-    kept = (1 - contract[0], 1 - contract[1])
-    out_sharding = explicit_product(a, b, *kept) if a.ndim == b.ndim == 2 else None
     product = jax.lax.dot_general(
         a,
         b,
-        (((contract[0],), (contract[1],)), ((), ())),
+        dims,
         precision=jax.lax.Precision.DEFAULT if fast or direct else jax.lax.Precision.HIGHEST,
         preferred_element_type=a.dtype if direct else _epilog_dtype(np.dtype(a.dtype), compute_type),
         out_sharding=out_sharding,

@@ -138,6 +138,25 @@ def test_export_refuses_the_custom_call_unless_export_checks_allow_it(cublaslt_a
         assert len(_calls(loaded.mlir_module())) == count and loaded.platforms == ("cuda",)
 
 
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_derivatives_of_a_bfloat16_gradient_run_no_float32_gemm(cublaslt_accepts, activation):
+    """The gradient of a gradient penalty through the fused primitives: their derivatives'
+    GEMMs read bfloat16, as in XLA's own second derivatives (with float32 products in the
+    tangents, their transposes were float32 GEMMs: 5x slower than XLA's program at
+    8192x1024->4096 on the H200, benchmarks/README.md (ab))."""
+    x, w, b = _args(jnp.bfloat16)
+
+    def penalty_grad(layer):
+        loss = lambda x, w, b: jnp.sum(jnp.square(layer(x, w, b).astype(jnp.float32)))
+        penalty = lambda x, w, b: jnp.sum(jnp.square(jax.grad(loss, argnums=1)(x, w, b).astype(jnp.float32)))
+        return jax.grad(penalty, argnums=(0, 1, 2))
+
+    text = _cuda_text(penalty_grad(functools.partial(op, activation=activation)), x, w, b)
+    assert _calls(text)  # the fused forward is there
+    operands = re.findall(r"stablehlo.dot_general .*: \((tensor<[^)]*)\)", text)
+    assert len(operands) >= 4 and all(t.count("xbf16>") == 2 for t in operands), operands
+
+
 def test_eager_calls_work_with_jit_disabled(rng):
     """Under jax.disable_jit() the primitives still run (compiled): the eager path binds
     them inside a jit, which would otherwise bind them again without end."""

@@ -219,7 +219,8 @@ class _Handler:
         self._pinned.state = ctypes.pythonapi.PyGILState_Ensure()
 
     def _load_nvmath(self):
-        """nvmath-python's side, imported at the first call (registration does not need it)."""
+        """nvmath-python's side, imported at the first call (registration does not need it;
+        ``_nvmath`` makes no CUDA call at import, so this may run under graph capture)."""
         from . import _nvmath  # the GPU path's only entry into nvmath
 
         self._nvmath = _nvmath

@@ -137,7 +137,8 @@ def fused_mlp(
     with ``implementation``, except the ReLU layers of the second case and the blocks of the
     third, which run as ``"cublaslt"``. Forward mode then works where each call's
     implementation allows it (``"auto"``, ``"xla"``; not ``"cublaslt"``). With a link it
-    is a ``jax.custom_vjp``: reverse mode only (to any order, ``jax.hessian`` too).
+    is a ``jax.custom_vjp``: forward mode raises, but its gradient differentiates again in
+    either mode (``jax.grad`` of a gradient, ``jax.hessian``).
     Raises TypeError/ValueError at trace time, naming the layer, for anything
     ``fused_dense`` would refuse and for ``layers``/``activations`` that do not pair up.
     """

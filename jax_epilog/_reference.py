@@ -175,8 +175,8 @@ def dense(
     ``x`` is (..., k), ``kernel`` (k, n), ``bias`` (n,) or None.
     """
     z = _matmul(x, kernel, (x.ndim - 1, 0), compute_type)
-    if bias is not None:
-        z = z + bias.astype(z.dtype)
+    if bias is not None:  # (compute_type None: added as in plain, a float32 bias promoting z)
+        z = z + (bias if compute_type is None else bias.astype(z.dtype))
     d = activate(z, activation).astype(d_dtype)
     aux = None
     if with_aux and activation is not None:

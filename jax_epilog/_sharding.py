@@ -11,7 +11,10 @@ onto every device and run the whole GEMM on each. So each primitive's lowering g
   communication in the forward. The forward's aux splits with N, each device's share cut
   from its own (padded) aux; where it cannot (a padded aux, or ReLU's bits with a device's
   N no multiple of 8), each device computes every column, keeps its share of y and the
-  whole aux. Either way y splits as it would without an aux, so the types agree;
+  whole aux. Either way y splits as it would without an aux, so the types agree. (Known
+  failure: ReLU's bits split finer than a byte, e.g. N = 128 over 32 devices, fail in
+  custom_partitioning's decoding of the aux's sharding before this rule is asked;
+  tests/test_sharding.py);
 - everything else (K, and N where it cannot split) is gathered whole onto each device.
 
 Each device runs the primitive on its own block, and results that sum over the rows (the

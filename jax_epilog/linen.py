@@ -50,8 +50,9 @@ Differences from ``nn.Dense``:
   ``implementation="auto"`` (the default) and ``"xla"``, whose derivatives are the plain
   expression's, and raises with ``"cublaslt"`` or a 16-bit ``compute_type`` (the fused
   op is a ``jax.custom_vjp``; ``FusedMLP`` raises wherever ``fused_mlp`` does). Reverse
-  mode (``jax.grad``) works in all arguments, and to any order (``jax.hessian`` too), as do
-  ``jax.jit``, ``jax.vmap``, ``nn.scan``, ``nn.vmap`` and ``nn.remat``.
+  mode (``jax.grad``) works in all arguments, and its result differentiates again in either
+  mode (``jax.grad`` of a gradient, ``jax.hessian``); ``jax.jit``, ``jax.vmap``,
+  ``nn.scan``, ``nn.vmap`` and ``nn.remat`` work.
 * **Automatic names.** Linen names an unnamed submodule after its class, so in a
   ``@nn.compact`` parent ``FusedDense`` layers are ``FusedDense_0, ...`` where ``nn.Dense``
   layers are ``Dense_0, ...`` (and draw different initial values, since Linen folds the

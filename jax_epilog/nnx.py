@@ -28,7 +28,7 @@ always in the promoted dtype; the accumulation is float32, or float64 for float6
 default full-precision compute types and raise ``ValueError`` at call time beside a
 ``compute_type`` below them; anything else raises ``ValueError``. Forward-mode
 autodiff (``jax.jvp``) works as in :mod:`jax_epilog.linen` (with ``"auto"`` and
-``"xla"``; ``"cublaslt"`` raises); ``jax.grad`` (to any order), ``nnx.jit``, ``nnx.grad``, ``nnx.vmap``,
+``"xla"``; ``"cublaslt"`` raises); ``jax.grad`` (its result differentiates again), ``nnx.jit``, ``nnx.grad``, ``nnx.vmap``,
 ``nnx.scan`` and ``nnx.remat`` work. Numerics: ``nnx.Linear`` + activation's own where
 ``"auto"`` runs XLA's expression; the fused op differs from it in half precision by about
 one unit in the last place (one rounding instead of three; see :mod:`jax_epilog.linen`).

@@ -94,3 +94,10 @@ def draw_x(rng, shape, kernel, bias, dtype, compute_dtype=None, margin=0.05):
 def perturb(rng, tree):
     """Add standard-normal noise to every leaf (so that e.g. a zero-initialized bias matters)."""
     return jax.tree.map(lambda p: p + jnp.asarray(rng.standard_normal(p.shape), p.dtype), tree)
+
+
+def assert_relatively_close(got, want, tol: float, what: str) -> None:
+    """The largest error at most ``tol`` of ``want``'s largest entry (``want`` in float64)."""
+    want = np.asarray(want, np.float64)
+    err = np.abs(np.asarray(got, np.float64) - want).max() / np.abs(want).max()
+    assert err <= tol, f"{what}: largest error {err:.3g} of the largest entry > {tol}"

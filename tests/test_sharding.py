@@ -244,14 +244,54 @@ def test_a_padded_aux_keeps_n_whole_in_the_forward(rng, seen, partitioner, activ
 @pytest.mark.parametrize("devices,n,whole", [(16, 128, ()), (32, 128, (1,)), (2, 40, (1,)), (1, 128, ())])
 def test_relu_bits_split_only_by_whole_bytes(devices, n, whole):
     """The ReLU aux packs 8 columns a byte: where a device's N (n / devices) is no multiple
-    of 8, the aux stays whole and the operands' N is gathered (meshes this large are ruled
-    on, not run)."""
+    of 8, the rule keeps the aux whole and gathers the operands' N (the rule alone: such a
+    gradient does not get that far, see the known failure below)."""
     abstract = jax.sharding.AbstractMesh((devices,), ("model",))
     x, w = jax.ShapeDtypeStruct((64, 8), jnp.float32), jax.ShapeDtypeStruct((8, n), jnp.float32)
     layout = _primitive._layout((x, w), activation="relu", with_aux=True)
     shardings = [NamedSharding(abstract, P()), NamedSharding(abstract, P(None, "model"))]
     split = _sharding._split(layout, abstract, [x.shape, w.shape], shardings)
     assert split == _sharding.Split((), ("model",), whole)
+
+
+_RELU_ON_32_DEVICES = """
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=32"
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+jax.config.update("jax_use_shardy_partitioner", sys.argv[1] == "shardy")
+import jax_epilog
+mesh = jax.make_mesh((32,), ("model",), axis_types=(jax.sharding.AxisType.Auto,))
+rng = np.random.default_rng(int(sys.argv[2]))
+x, w, b = rng.standard_normal((6, 9)), rng.standard_normal((9, 128)) / 3, rng.standard_normal(128)
+put = lambda a, *spec: jax.device_put(a, NamedSharding(mesh, P(*spec)))
+loss = lambda layer: lambda x, w, b: jnp.sum(layer(x, w, b) ** 2)
+fused = loss(lambda x, w, b: jax_epilog.fused_dense(x, w, b, activation="relu", implementation="cublaslt"))
+got = jax.jit(jax.grad(fused, argnums=(0, 1, 2)))(put(x), put(w, None, "model"), put(b, "model"))
+want = jax.grad(loss(lambda x, w, b: jax.nn.relu(x @ w + b)), argnums=(0, 1, 2))(x, w, b)
+for g, r in zip(got, want):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-12, atol=1e-12)
+"""
+
+
+@pytest.mark.xfail(
+    strict=True, raises=AssertionError, reason="known: jax's custom_partitioning cannot decode the aux's sharding"
+)
+@pytest.mark.parametrize("partitioner_name", ["gspmd", "shardy"])
+def test_relu_gradient_with_n_split_into_less_than_a_byte_a_device(rng, partitioner_name):
+    """Known failure: a ReLU layer's gradient with N = 128 split over 32 devices (4 columns,
+    half a byte of the aux, each). The rule keeps that aux whole (test above), but XLA's
+    propagation asks for the aux's 16 bytes split 16 ways on the 32-device axis, which
+    jax's custom_partitioning cannot turn into a NamedSharding: an IndivisibleError under
+    both partitioners (32 CPU devices, in a fresh process), before the rule is consulted."""
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-c", _RELU_ON_32_DEVICES, partitioner_name, str(int(rng.integers(1 << 31)))]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    if done.returncode and "IndivisibleError" not in done.stderr:
+        raise RuntimeError(done.stderr[-3000:])  # not the known failure: fail plainly
+    assert done.returncode == 0, "IndivisibleError (the known failure)"
 
 
 def test_rows_that_do_not_divide_evenly_are_gathered(rng, seen):

@@ -331,6 +331,20 @@ def write_results(out: str, stem: str, rows: list[dict], table: str) -> None:
         fh.write(table)
 
 
+def main_over_shapes(argv, doc: str, stem: str, bench, table, shapes) -> None:
+    """A probe's command line: ``--shape M K N`` (repeatable; ``shapes`` without it) and
+    ``--out DIR``. Prints ``table(bench(shapes))``; with ``--out`` writes DIR/STEM.{json,md}."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--shape", nargs=3, type=int, action="append", metavar=("M", "K", "N"))
+    args = parser.parse_args(argv)
+    rows = bench([tuple(s) for s in args.shape] if args.shape else shapes)
+    text = table(rows)
+    print(text)
+    if args.out:
+        write_results(args.out, stem, rows, text)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="folder for the JSON results")

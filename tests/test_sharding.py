@@ -280,10 +280,10 @@ for g, r in zip(got, want):
 @pytest.mark.parametrize("partitioner_name", ["gspmd", "shardy"])
 def test_relu_gradient_with_n_split_into_less_than_a_byte_a_device(rng, partitioner_name):
     """Known failure: a ReLU layer's gradient with N = 128 split over 32 devices (4 columns,
-    half a byte of the aux, each). The rule keeps that aux whole (test above), but XLA's
-    propagation asks for the aux's 16 bytes split 16 ways on the 32-device axis, which
-    jax's custom_partitioning cannot turn into a NamedSharding: an IndivisibleError under
-    both partitioners (32 CPU devices, in a fresh process), before the rule is consulted."""
+    half a byte of the aux, each). The rule would keep that aux whole (test above), but
+    jax's custom_partitioning first fails to turn a sharding XLA gives the aux (a [1, 16, 2]
+    tiling on the 32-device axis) into a NamedSharding: an IndivisibleError under both
+    partitioners (32 CPU devices, in a fresh process)."""
     import subprocess
     import sys
 

@@ -27,14 +27,13 @@ GEMMs could gain over XLA if everything else were free, beside the issue's bar; 
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.forward import time_jax_interleaved, write_results
+from benchmarks.forward import main_over_shapes, time_jax_interleaved
 from benchmarks.training import GRAD_SHAPES, grad_steps, layer_inputs
 from jax_epilog import fused_dense
 
@@ -115,15 +114,7 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--shape", nargs=3, type=int, action="append", metavar=("M", "K", "N"))
-    args = parser.parse_args(argv)
-    rows = bench([tuple(s) for s in args.shape] if args.shape else GRAD_SHAPES)
-    text = table(rows)
-    print(text)
-    if args.out:
-        write_results(args.out, "grad_floor", rows, text)
+    main_over_shapes(argv, __doc__, "grad_floor", bench, table, GRAD_SHAPES)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ benchmarks.forward). Results: DIR/second_order.{json,md}.
 
 from __future__ import annotations
 
-import argparse
 import json
 from functools import partial
 
@@ -23,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.forward import single_layers, time_jax_interleaved, write_results
+from benchmarks.forward import main_over_shapes, single_layers, time_jax_interleaved
 from benchmarks.training import layer_inputs
 from jax_epilog import fused_dense
 
@@ -81,15 +80,7 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--shape", nargs=3, type=int, action="append", metavar=("M", "K", "N"))
-    args = parser.parse_args(argv)
-    rows = bench([tuple(s) for s in args.shape] if args.shape else SHAPES)
-    text = table(rows)
-    print(text)
-    if args.out:
-        write_results(args.out, "second_order", rows, text)
+    main_over_shapes(argv, __doc__, "second_order", bench, table, SHAPES)
 
 
 if __name__ == "__main__":

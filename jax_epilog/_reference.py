@@ -117,8 +117,7 @@ def _matmul(
     out_sharding = explicit_product(a, b, *kept) if a.ndim == b.ndim == 2 else None
     dims = (((contract[0],), (contract[1],)), ((), ()))
     if compute_type is None:
-        precision = jax.lax.Precision.HIGHEST if np.dtype(a.dtype).itemsize >= 4 else jax.lax.Precision.DEFAULT
-        product = jax.lax.dot_general(a, b, dims, precision=precision, out_sharding=out_sharding)
+        product = jax.lax.dot_general(a, b, dims, precision=_plain_precision(a.dtype), out_sharding=out_sharding)
         return product if out_dtype is None else product.astype(out_dtype)
     fast = compute_type.name.startswith("COMPUTE_32F_FAST")
     if fast:
@@ -155,10 +154,15 @@ def plain_preactivation(x: jax.Array, kernel: jax.Array, bias: jax.Array | None,
     with a float32 bias). Half dtypes keep the default precision (XLA accumulates them in
     float32 anyway), so the program is the one users write, down to its HLO; float32 asks
     for full precision unless ``tf32`` (XLA's default on the GPU is TF32)."""
-    full = not tf32 and np.dtype(x.dtype).itemsize >= 4
-    precision = jax.lax.Precision.HIGHEST if full else jax.lax.Precision.DEFAULT
-    z = jnp.matmul(x, kernel, precision=precision)
+    z = jnp.matmul(x, kernel, precision=_plain_precision(x.dtype, tf32))
     return z if bias is None else z + bias
+
+
+def _plain_precision(dtype, tf32: bool = False) -> jax.lax.Precision:
+    """``plain``'s GEMM precision: full for float32 and float64 unless ``tf32``; XLA's
+    default for half dtypes (which it accumulates in float32 anyway)."""
+    full = not tf32 and np.dtype(dtype).itemsize >= 4
+    return jax.lax.Precision.HIGHEST if full else jax.lax.Precision.DEFAULT
 
 
 def dense(

@@ -11,10 +11,7 @@ onto every device and run the whole GEMM on each. So each primitive's lowering g
   communication in the forward. The forward's aux splits with N, each device's share cut
   from its own (padded) aux; where it cannot (a padded aux, or ReLU's bits with a device's
   N no multiple of 8), each device computes every column, keeps its share of y and the
-  whole aux. Either way y splits as it would without an aux, so the types agree. (Known
-  failure: ReLU's bits split finer than a byte, e.g. N = 128 over 32 devices, fail in
-  custom_partitioning's decoding of the aux's sharding before this rule is asked;
-  tests/test_sharding.py);
+  whole aux. Either way y splits as it would without an aux, so the types agree;
 - everything else (K, and N where it cannot split) is gathered whole onto each device.
 
 Each device runs the primitive on its own block, and results that sum over the rows (the
@@ -49,6 +46,11 @@ try:  # jit hands a lowering its devices only for the primitives in this set (pr
     from jax._src.dispatch import prim_requires_devices_during_lowering as _NEEDS_DEVICES
 except ImportError:  # a jax without it: the primitives lower whole (XLA gathers; correct)
     _NEEDS_DEVICES = None
+try:  # jax's own reading of an XLA sharding as mesh axes (private; see _decoded)
+    from jax._src.sharding_impls import GSPMDSharding as _XlaSharding
+    from jax._src.sharding_impls import parse_flatten_op_sharding as _parse_hlo_sharding
+except ImportError:  # a jax without them: custom_partitioning decodes (and may raise there)
+    _XlaSharding = _parse_hlo_sharding = None
 
 __all__ = [
     "Layout", "explicit_product", "fold_rows", "like", "map_members", "needs_transpose", "partitioned_lowering",
@@ -119,7 +121,7 @@ def _partitioned(primitive, params: dict, layout: Layout):
     fn = custom_partitioning(local)
 
     def partition(mesh, arg_shapes, result_shapes):
-        split = _split(layout, mesh, [s.shape for s in arg_shapes], [s.sharding for s in arg_shapes])
+        split = _split(layout, mesh, [s.shape for s in arg_shapes], _decoded(mesh, arg_shapes))
         arg_shardings = tuple(
             _sharding(mesh, s.ndim, _dims(layout, 0, i, split)) for i, s in enumerate(arg_shapes)
         )
@@ -138,7 +140,7 @@ def _partitioned(primitive, params: dict, layout: Layout):
         return mesh, lower, out_shardings, arg_shardings
 
     def infer(mesh, arg_shapes, result_shapes):  # the GSPMD partitioner's question
-        split = _split(layout, mesh, [s.shape for s in arg_shapes], [s.sharding for s in arg_shapes])
+        split = _split(layout, mesh, [s.shape for s in arg_shapes], _decoded(mesh, arg_shapes))
         return _out_shardings(layout, mesh, result_shapes, split)
 
     factors = layout.rule.replace("->", " ").replace(",", " ").replace("(", " ").replace(")", " ").split()
@@ -148,9 +150,33 @@ def _partitioned(primitive, params: dict, layout: Layout):
         infer_sharding_from_operands=infer,
         sharding_rule=layout.rule,  # for Shardy: only "m" and N's factors may stay split
         need_replication_factors=tuple(whole),
+        decode_shardings=_XlaSharding is None,  # else _decoded does, where it can
         **dict(layout.factor_sizes),
     )
     return fn
+
+
+def _decoded(mesh, shapes) -> list:
+    """Each operand's sharding as a NamedSharding on ``mesh``, or None where no
+    PartitionSpec can say it (the rule then takes that operand as unsplit: gathered).
+
+    XLA may split an array over part of a mesh axis: a ReLU aux whose bits dy's columns
+    split finer than a byte (N = 128 over 32 devices: each byte over 16 devices, each
+    held by 2). custom_partitioning's own decoding raised an IndivisibleError there, on
+    operands and results alike, before the rule was asked; the rule reads only the
+    operands' shardings, so it decodes those itself."""
+    decoded = []
+    for shape in shapes:
+        sharding = shape.sharding
+        if _XlaSharding is not None and isinstance(sharding, _XlaSharding) and not mesh.empty:
+            try:
+                spec = _parse_hlo_sharding(sharding._to_xla_hlo_sharding(shape.ndim), mesh)[0]
+            except (ValueError, NotImplementedError):  # (IndivisibleError is a ValueError)
+                sharding = None
+            else:
+                sharding = NamedSharding(mesh, PartitionSpec(*spec))
+        decoded.append(sharding)
+    return decoded
 
 
 def _split(layout: Layout, mesh, shapes, shardings) -> Split:

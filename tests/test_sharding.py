@@ -244,8 +244,8 @@ def test_a_padded_aux_keeps_n_whole_in_the_forward(rng, seen, partitioner, activ
 @pytest.mark.parametrize("devices,n,whole", [(16, 128, ()), (32, 128, (1,)), (2, 40, (1,)), (1, 128, ())])
 def test_relu_bits_split_only_by_whole_bytes(devices, n, whole):
     """The ReLU aux packs 8 columns a byte: where a device's N (n / devices) is no multiple
-    of 8, the rule keeps the aux whole and gathers the operands' N (the rule alone: such a
-    gradient does not get that far, see the known failure below)."""
+    of 8, the rule keeps the aux whole and gathers the operands' N (the rule alone; such a
+    gradient: the test below)."""
     abstract = jax.sharding.AbstractMesh((devices,), ("model",))
     x, w = jax.ShapeDtypeStruct((64, 8), jnp.float32), jax.ShapeDtypeStruct((8, n), jnp.float32)
     layout = _primitive._layout((x, w), activation="relu", with_aux=True)
@@ -260,6 +260,7 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=32"
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 jax.config.update("jax_use_shardy_partitioner", sys.argv[1] == "shardy")
+jax.config.update("jax_enable_x64", True)
 import jax_epilog
 mesh = jax.make_mesh((32,), ("model",), axis_types=(jax.sharding.AxisType.Auto,))
 rng = np.random.default_rng(int(sys.argv[2]))
@@ -274,24 +275,19 @@ for g, r in zip(got, want):
 """
 
 
-@pytest.mark.xfail(
-    strict=True, raises=AssertionError, reason="known: jax's custom_partitioning cannot decode the aux's sharding"
-)
 @pytest.mark.parametrize("partitioner_name", ["gspmd", "shardy"])
 def test_relu_gradient_with_n_split_into_less_than_a_byte_a_device(rng, partitioner_name):
-    """Known failure: a ReLU layer's gradient with N = 128 split over 32 devices (4 columns,
-    half a byte of the aux, each). The rule would keep that aux whole (test above), but
-    jax's custom_partitioning first fails to turn a sharding XLA gives the aux (a [1, 16, 2]
-    tiling on the 32-device axis) into a NamedSharding: an IndivisibleError under both
-    partitioners (32 CPU devices, in a fresh process)."""
+    """A ReLU layer's gradient with N = 128 split over 32 devices (4 columns, half a byte
+    of the aux, each). dy's columns ask for the aux split over part of the mesh axis (a
+    [1, 16, 2] tiling), which no PartitionSpec names: jax's custom_partitioning raised an
+    IndivisibleError decoding it, under both partitioners, until the rule decoded the
+    operands itself (32 CPU devices, in a fresh process)."""
     import subprocess
     import sys
 
     command = [sys.executable, "-c", _RELU_ON_32_DEVICES, partitioner_name, str(int(rng.integers(1 << 31)))]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
-    if done.returncode and "IndivisibleError" not in done.stderr:
-        raise RuntimeError(done.stderr[-3000:])  # not the known failure: fail plainly
-    assert done.returncode == 0, "IndivisibleError (the known failure)"
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 def test_rows_that_do_not_divide_evenly_are_gathered(rng, seen):

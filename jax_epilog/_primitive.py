@@ -131,12 +131,17 @@ def _jvp_of_reference(primitive: Primitive, reference):
     ``jax.hessian``). The tangents' GEMMs run as XLA's autodiff of the plain expression
     runs them (``compute_type=None``: in the operands' dtype; with the compute type's
     float32 products, their transposes became float32 GEMMs, 5x slower than XLA's second
-    derivatives at 8192x1024->4096 on the H200). Such derivatives recompute what the
-    tangents need (z for the activation's derivative) from the primals."""
+    derivatives at 8192x1024->4096 on the H200), except that float32 GEMMs a ``_FAST``
+    compute type lets round their operands keep it (TF32 on the GPU, as the "xla"
+    implementation's). Such derivatives recompute what the tangents need (z for the
+    activation's derivative) from the primals."""
 
     def jvp(primals, tangents, **params):
         tangents = [ad.instantiate_zeros(t) for t in tangents]
-        as_xla = functools.partial(reference, **(params | {"compute_type": None}))
+        kept = params["compute_type"]
+        if not ComputeType(kept).name.startswith("COMPUTE_32F_FAST"):
+            kept = None
+        as_xla = functools.partial(reference, **(params | {"compute_type": kept}))
         _, out_tangents = jax.jvp(as_xla, list(primals), tangents)
         return primitive.bind(*primals, **params), out_tangents
 

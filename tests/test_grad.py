@@ -248,6 +248,25 @@ def test_gradients_differentiate_again(rng, dtype, activation, with_bias, return
     assert_relatively_close(hessian(fused)(*args), hessian(plain)(*as64), tol, "Hessian in the kernel")
 
 
+@pytest.mark.parametrize("activation", ACTIVATIONS, ids=str)
+def test_gradients_of_a_tf32_layer_differentiate_again(rng, activation):
+    """A float32 layer with COMPUTE_32F_FAST_TF32 keeps TF32 in its second derivatives
+    (tests/test_lowering.py; on a CPU the operands' rounding is emulated): its gradient
+    penalty's gradient and Hessian are the plain expression's to TF32's precision."""
+    x, w, b = (jnp.asarray(a) for a in make_inputs(rng, (7, 19), 10, "float32", activation=activation, margin=0.05))
+    tf32 = functools.partial(fused_dense, activation=activation, compute_type="COMPUTE_32F_FAST_TF32")
+    fused = lambda x, w, b: jnp.sum(jnp.sin(tf32(x, w, b)))
+    plain = lambda x, w, b: jnp.sum(jnp.sin(act_fn(activation)(x @ w + b)))
+    penalty = lambda f: lambda *a: jnp.sum(jax.grad(f, argnums=1)(*a) ** 2)
+    as64 = [jnp.asarray(np.asarray(a, np.float64)) for a in (x, w, b)]
+    tol = 1e-2  # (seen: up to 2.0e-3 over 120 draws; TF32 keeps 10 mantissa bits)
+    got, want = jax.grad(penalty(fused), (0, 1, 2))(x, w, b), jax.grad(penalty(plain), (0, 1, 2))(*as64)
+    for name, g, r in zip(("x", "kernel", "bias"), got, want):
+        assert_relatively_close(g, r, tol, f"penalty's gradient in {name}")
+    hessian = lambda f: jax.hessian(f, argnums=1)
+    assert_relatively_close(hessian(fused)(x, w, b), hessian(plain)(*as64), tol, "Hessian in the kernel")
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_gelu_aux_is_differentiable_and_relu_mask_is_not(rng, dtype):
     x, w, b = make_inputs(rng, (2, 5, 13), 11, dtype)

@@ -169,3 +169,20 @@ def test_eager_calls_work_with_jit_disabled(rng):
     assert aux.shape == (5, 16)
     want = jax.grad(lambda w: act_fn("gelu")(x @ w + b).sum())(w)
     np.testing.assert_allclose(dw, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "compute_type,precision", [("COMPUTE_32F_FAST_TF32", "DEFAULT"), ("COMPUTE_32F", "HIGHEST")]
+)
+def test_derivatives_of_a_float32_gradient_keep_the_layers_precision(cublaslt_accepts, compute_type, precision):
+    """A float32 layer's second derivatives run their GEMMs at its precision: TF32 where
+    its compute type lets cuBLASLt round the operands (as the "xla" implementation's
+    DEFAULT precision does), full float32 otherwise (as the plain expression's)."""
+    x, w, b = _args(jnp.float32)
+    layer = functools.partial(op, activation="gelu", compute_type=compute_type)
+    loss = lambda x, w, b: jnp.sum(jnp.square(layer(x, w, b)))
+    penalty = lambda x, w, b: jnp.sum(jnp.square(jax.grad(loss, argnums=1)(x, w, b)))
+    text = _cuda_text(jax.grad(penalty, argnums=(0, 1, 2)), x, w, b)
+    dots = re.findall(r"stablehlo.dot_general .*", text)
+    assert _calls(text) and len(dots) >= 4
+    assert all(("HIGHEST" in d) == (precision == "HIGHEST") for d in dots), dots

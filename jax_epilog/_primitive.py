@@ -13,6 +13,8 @@ outputs in the same aux layout. Falling back on a GPU is announced once with a w
 Over several devices every lowering first splits the primitive by rows, and by N where it
 can (``_sharding``; each primitive's ``Layout`` says where its M and N are). Each
 primitive differentiates through its reference math (for derivatives of a gradient).
+Batched weights (an ensemble) run one call per member, in the loop ``members_p`` lowers
+to, which splits the members over the devices that hold them.
 """
 
 from __future__ import annotations
@@ -36,7 +38,15 @@ from ._epilogs import (
     epilog_name,
     known_sizes,
 )
-from ._sharding import Layout, fold_rows, map_members, partitioned_lowering, typed
+from ._sharding import (
+    Layout,
+    explicitly_typed,
+    fold_rows,
+    map_members,
+    member_loop,
+    partitioned_lowering,
+    typed,
+)
 
 __all__ = ["FastPathWarning", "fused_gelu_input_grad", "fused_matmul", "fused_weight_grad"]
 
@@ -262,10 +272,14 @@ def _batch(args, dims, **params):
 
 def _map_over_batch(primitive: Primitive, args, dims, **params):
     """A batching rule that binds ``primitive`` once per batch member, in a lax.map loop;
-    members split over devices stay split (``_sharding.map_members``)."""
+    members split over devices stay split: ``members_p``, or, where types name their
+    sharding, ``_sharding.map_members``."""
     moved = [a if d is None else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims)]
-    batched = [d is not None for d in dims]
-    outs = map_members(lambda *ops: primitive.bind(*ops, **params), moved, batched)
+    batched = tuple(d is not None for d in dims)
+    if explicitly_typed(moved):
+        outs = map_members(lambda *ops: primitive.bind(*ops, **params), moved, batched)
+    else:
+        outs = members_p.bind(*moved, inner=primitive, inner_params=tuple(sorted(params.items())), batched=batched)
     return outs, [0] * len(outs)
 
 
@@ -427,3 +441,55 @@ def _igrad_batch(args, dims, **params):
 
 
 batching.primitive_batchers[fused_gelu_input_grad_p] = _igrad_batch
+
+
+# ------------------------------------------------------------------ ensembles
+
+members_p = Primitive("jax_epilog_members")
+members_p.multiple_results = True
+_LAYOUTS = {fused_matmul_p: _layout, fused_weight_grad_p: _wgrad_layout, fused_gelu_input_grad_p: _igrad_layout}
+
+
+def _member_loop(*operands, inner, inner_params, batched, partitioned=False):
+    """``members_p``: ``inner`` bound once per member of the ``batched`` operands (their
+    first dimension), in a lax.map loop. Over several devices its lowering splits the
+    members as they arrive (then the rows and N, as ``inner``'s layout does), each device
+    looping over its own: vmap over an ensemble's weights, whose loop XLA would otherwise
+    gather onto every device."""
+    del partitioned
+    return member_loop(lambda *ops: inner.bind(*ops, **dict(inner_params)), operands, batched)
+
+
+def _one_member(avals, batched):
+    return [jax.core.ShapedArray(a.shape[1:], a.dtype) if b else a for a, b in zip(avals, batched)]
+
+
+def _members_abstract_eval(*avals, inner, inner_params, batched, partitioned=False):
+    del partitioned
+    size = next(a.shape[0] for a, b in zip(avals, batched) if b)
+    outs, _ = inner.abstract_eval(*_one_member(avals, batched), **dict(inner_params))
+    return [jax.core.ShapedArray((size, *o.shape), o.dtype) for o in outs]
+
+
+def _members_layout(avals, *, inner, inner_params, batched) -> Layout:
+    return _LAYOUTS[inner](_one_member(avals, batched), **dict(inner_params)).over_members(batched)
+
+
+def _members_jvp(primals, tangents, **params):
+    tangents = [ad.instantiate_zeros(t) for t in tangents]
+    return jax.jvp(functools.partial(_member_loop, **params), list(primals), tangents)
+
+
+def _members_batch(args, dims, **params):
+    outs = jax.vmap(functools.partial(_member_loop, **params), in_axes=tuple(dims))(*args)
+    return outs, [0] * len(outs)
+
+
+members_p.def_abstract_eval(_members_abstract_eval)
+members_p.def_impl(_impl_of(members_p))
+ad.primitive_jvps[members_p] = _members_jvp
+batching.primitive_batchers[members_p] = _members_batch
+mlir.register_lowering(
+    members_p,
+    partitioned_lowering(members_p, mlir.lower_fun(_member_loop, multiple_results=True), _members_layout),
+)

@@ -14,6 +14,11 @@ onto every device and run the whole GEMM on each. So each primitive's lowering g
   whole aux. Either way y splits as it would without an aux, so the types agree;
 - everything else (K, and N where it cannot split) is gathered whole onto each device.
 
+An ensemble (``vmap`` over weights) runs the primitive once per member, in a loop whose
+lowering splits the members as the weights arrive (``Layout.over_members``: a leading
+member dimension, "e" in the rule), then each member's rows and N as above: each device
+loops over its own members' blocks.
+
 Each device runs the primitive on its own block, and results that sum over the rows (the
 kernel and bias gradients) are summed over the devices that split them (``psum``). That
 covers data parallelism, FSDP (whose weights, split over the axes that split the rows, are
@@ -27,7 +32,7 @@ Under explicit sharding an array's type names its sharding: ``typed`` gives the
 primitives' results the types this rule makes, ``like`` gives each gradient its
 primal's type, ``fold_rows`` folds leading dimensions into the rows in an order such a
 type allows, and ``map_members`` keeps an ensemble's members split over the devices that
-hold them.
+hold them (its loop is then a ``shard_map``'s, as the types must say so at trace time).
 """
 
 from __future__ import annotations
@@ -53,8 +58,8 @@ except ImportError:  # a jax without them: custom_partitioning decodes (and may 
     _XlaSharding = _parse_hlo_sharding = None
 
 __all__ = [
-    "Layout", "explicit_product", "fold_rows", "like", "map_members", "needs_transpose", "partitioned_lowering",
-    "typed",
+    "Layout", "explicit_product", "explicitly_typed", "fold_rows", "like", "map_members", "member_loop",
+    "needs_transpose", "partitioned_lowering", "typed",
 ]  # fmt: skip
 
 
@@ -68,7 +73,9 @@ class Layout(NamedTuple):
     split only where each device's N is a multiple of that (ReLU's aux: 8 bits a byte; 0:
     never, an aux with padding). ``rule``: the Shardy rule, in custom_partitioning's
     einsum-like notation with "m" for the rows and "n" (or a compound factor over it, sized
-    by ``factor_sizes``) for N; factors ``whole`` never split.
+    by ``factor_sizes``) for N; factors ``whole`` never split. ``members``: operands with
+    a leading member dimension ("e" in the rule; ``over_members``), every result then has
+    one too, and the dimensions above sit one further along.
     """
 
     rows: tuple[tuple[int, ...], tuple[int, ...]]
@@ -78,16 +85,26 @@ class Layout(NamedTuple):
     whole: tuple[str, ...]
     factor_sizes: tuple[tuple[str, int], ...] = ()
     packed: tuple[tuple[int, int], ...] = ()
+    members: tuple[int, ...] = ()
+
+    def over_members(self, batched) -> Layout:
+        """This layout for the primitive run once per member of an ensemble: the
+        ``batched`` operands, and every result, stacked along a new first dimension."""
+        operands, results = (side.split(",") for side in self.rule.split("->"))
+        operands = [f"e {o.strip()}" if b else o.strip() for o, b in zip(operands, batched, strict=True)]
+        rule = f"{', '.join(operands)} -> {', '.join('e ' + r.strip() for r in results)}"
+        return self._replace(rule=rule, members=tuple(i for i, b in enumerate(batched) if b))
 
 
 class Split(NamedTuple):
-    """The mesh axes that split M and N for one call (() where whole), and the results
-    in ``Layout.cols`` that stay whole along N (the operands' N is then gathered: each
-    device computes every column and keeps its own)."""
+    """The mesh axes that split M and N for one call (() where whole), the results in
+    ``Layout.cols`` that stay whole along N (the operands' N is then gathered: each device
+    computes every column and keeps its own), and the axes that split the members."""
 
     rows: tuple[str, ...]
     cols: tuple[str, ...]
     whole: tuple[int, ...] = ()
+    members: tuple[str, ...] = ()
 
 
 def partitioned_lowering(primitive, direct, layout_of):
@@ -131,6 +148,7 @@ def _partitioned(primitive, params: dict, layout: Layout):
             outs = list(local(*args))
             for i, dim in layout.cols[1].items() if split.cols else ():
                 if i not in split.whole:
+                    dim += _offset(layout, 1, i)
                     share = result_shapes[i].shape[dim] // _size(mesh, split.cols)
                     outs[i] = _own_columns(outs[i], dim, share, split)
             if not split.rows:
@@ -180,22 +198,33 @@ def _decoded(mesh, shapes) -> list:
 
 
 def _split(layout: Layout, mesh, shapes, shardings) -> Split:
-    """The mesh axes that split the first row operand's rows, if they divide M (the other
-    row operands are resharded to match), and those that split N in the deciding operand,
-    if they leave the rows' axes alone and divide N; the packed results that cannot split."""
+    """The mesh axes that split the first batched operand's members that are split, if
+    they divide them; those that split the first row operand's rows, if they leave the members' alone and
+    divide M (the other row operands are resharded to match); those that split N in the
+    deciding operand, if they leave both alone and divide N; the packed results that
+    cannot split."""
+
+    def axes(i: int, dim: int, taken: tuple[str, ...]) -> tuple[str, ...]:
+        found = _axes(shardings[i], dim) if isinstance(shardings[i], NamedSharding) else ()
+        return () if set(found) & set(taken) or shapes[i][dim] % _size(mesh, found) else found
+
+    members = next((found for i in layout.members if (found := axes(i, 0, ()))), ())
     first = layout.rows[0][0]
-    rows = _axes(shardings[first], 0) if isinstance(shardings[first], NamedSharding) else ()
-    if rows and shapes[first][0] % _size(mesh, rows):
-        rows = ()
+    rows = axes(first, _offset(layout, 0, first), members)
     if not layout.cols[0]:
-        return Split(rows, ())
+        return Split(rows, (), members=members)
     i, dim = next(iter(layout.cols[0].items()))
-    cols = _axes(shardings[i], dim) if isinstance(shardings[i], NamedSharding) else ()
-    n = shapes[i][dim]
-    if not cols or set(cols) & set(rows) or n % _size(mesh, cols):
-        return Split(rows, ())
-    share = n // _size(mesh, cols)
-    return Split(rows, cols, tuple(r for r, per in layout.packed if not per or share % per))
+    dim += _offset(layout, 0, i)
+    cols = axes(i, dim, members + rows)
+    if not cols:
+        return Split(rows, (), members=members)
+    share = shapes[i][dim] // _size(mesh, cols)
+    return Split(rows, cols, tuple(r for r, per in layout.packed if not per or share % per), members)
+
+
+def _offset(layout: Layout, side: int, i: int) -> int:
+    """1 where operand (side 0) or result (side 1) ``i`` leads with a member dimension."""
+    return int(bool(layout.members) and (side == 1 or i in layout.members))
 
 
 def _own_columns(result, dim: int, share: int, split: Split):
@@ -221,12 +250,15 @@ def _axes(sharding: NamedSharding, dim: int) -> tuple[str, ...]:
 def _dims(layout: Layout, side: int, i: int, split: Split) -> dict[int, tuple[str, ...]]:
     """{dimension: mesh axes} of operand (side 0) or result (side 1) ``i`` under ``split``."""
     dims = {}
+    offset = _offset(layout, side, i)
+    if offset and split.members:
+        dims[0] = split.members
     if i in layout.rows[side] and split.rows:
-        dims[0] = split.rows
+        dims[offset] = split.rows
     # A result that stays whole along N has every device compute every column.
     whole = bool(split.whole) if side == 0 else i in split.whole
     if i in layout.cols[side] and split.cols and not whole:
-        dims[layout.cols[side][i]] = split.cols
+        dims[layout.cols[side][i] + offset] = split.cols
     return dims
 
 
@@ -308,23 +340,34 @@ def fold_rows(x, count: int, order_of=None):
     return folded, unfold
 
 
-def map_members(fn, operands, batched):
+def member_loop(fn, operands, batched) -> list:
     """``lax.map(fn)`` over the members (the first dimension) of the ``batched`` operands,
-    the others shared by every member; a list of stacked results.
+    the others shared by every member; a list of stacked results."""
+    size = next(o.shape[0] for o, b in zip(operands, batched) if b)
+    stacked = [o if b else jnp.broadcast_to(o, (size, *o.shape)) for o, b in zip(operands, batched)]
+    return list(jax.lax.map(lambda members: fn(*members), stacked))
 
-    Under explicit sharding, members split over mesh axes stay split: each device maps over
-    its own, inside a ``shard_map`` manual over every axis of the mesh (``vmap`` has split
-    every batched operand's member dimension alike, and no shared operand over those axes).
-    Where an operand is also split over another axis, or the mesh has axes that are
-    neither explicit nor manual, the members are gathered first (``lax.map`` refuses a
-    split axis; the fused primitive's partitioning cannot run inside a partly manual
-    region), each device runs every member, and the results are split over the members'
-    axes again: the type ``vmap`` gives them."""
+
+def explicitly_typed(values) -> bool:
+    """Whether any of ``values`` has a type that names its sharding (explicit sharding)."""
+    return any(_explicit(getattr(jax.typeof(v), "sharding", None)) for v in values)
+
+
+def map_members(fn, operands, batched):
+    """``member_loop`` under explicit sharding (elsewhere the members' partitioning is
+    the lowering's: ``Layout.over_members``).
+
+    Members split over mesh axes stay split: each device maps over its own, inside a
+    ``shard_map`` manual over every axis of the mesh (``vmap`` has split every batched
+    operand's member dimension alike, and no shared operand over those axes). Where an
+    operand is also split over another axis, or the mesh has axes that are neither
+    explicit nor manual, the members are gathered first (``lax.map`` refuses a split
+    axis; the fused primitive's partitioning cannot run inside a partly manual region),
+    each device runs every member, and the results are split over the members' axes
+    again: the type ``vmap`` gives them."""
 
     def local(*ops):
-        size = next(o.shape[0] for o, b in zip(ops, batched) if b)
-        stacked = [o if b else jnp.broadcast_to(o, (size, *o.shape)) for o, b in zip(ops, batched)]
-        return list(jax.lax.map(lambda members: fn(*members), stacked))
+        return member_loop(fn, ops, batched)
 
     shardings = [getattr(jax.typeof(o), "sharding", None) for o in operands]
     members = shardings[batched.index(True)]

@@ -417,6 +417,112 @@ def test_one_device_lowers_without_a_partitioning_call(rng):
     assert "CustomSPMDPartitioning" in sharded  # the rule is in force once there are several
 
 
+NO_COLLECTIVES = {"all-gather": 0, "all-reduce": 0, "all-to-all": 0}
+
+
+def ensemble(rng, n):
+    """Eight members' (x, kernel, bias): (8, 6, 10), (8, 10, n), (8, n)."""
+    return rng.standard_normal((8, 6, 10)), rng.standard_normal((8, 10, n)) / 3, rng.standard_normal((8, n))
+
+
+def plain_ensemble(activation):
+    """The members' layers in XLA's ops; x per member (e, m, k) or shared (m, k)."""
+    return lambda x, w, b: act_fn(activation)(jnp.einsum("emk,ekn->emn" if x.ndim == 3 else "mk,ekn->emn", x, w) + b[:, None])
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_ensemble_split_over_members(rng, seen, activation, partitioner):
+    """vmap over weights (an ensemble) whose members are split over devices: each device
+    loops over its own members, forward and backward, with no collective, whether x is
+    per member or shared (members_p's lowering; a plain loop's members XLA gathered onto
+    every device)."""
+    m4 = mesh((4,), ("data",))
+    x, w, b = ensemble(rng, 16)
+    xs, ws, bs = (put(m4, a, "data") for a in (x, w, b))
+    layer = functools.partial(fused_dense, activation=activation)
+    for in_axes, args, x_in in (((0, 0, 0), (xs, ws, bs), x), ((None, 0, 0), (put(m4, x[0]), ws, bs), x[0])):
+        f = jax.jit(jax.vmap(layer, in_axes=in_axes))
+        y = f(*args)
+        assert_near(y, plain_ensemble(activation)(x_in, w, b))
+        assert y.sharding.spec[0] == "data"
+        assert collectives(f.lower(*args).compile().as_text()) == NO_COLLECTIVES
+    assert seen["dense"] == [(6, 10, 16)] * 2  # one member at a time
+    loss = lambda f: lambda *a: jnp.sum(f(*a) ** 2)
+    grad = jax.jit(jax.grad(loss(jax.vmap(layer)), argnums=(0, 1, 2)))
+    for got, want in zip(grad(xs, ws, bs), jax.grad(loss(plain_ensemble(activation)), argnums=(0, 1, 2))(x, w, b)):
+        assert_near(got, want)
+        assert got.sharding.spec[0] == "data"
+    assert collectives(grad.lower(xs, ws, bs).compile().as_text()) == NO_COLLECTIVES
+
+
+@pytest.mark.parametrize(
+    "specs, per_member",
+    [
+        ((P("a", "b"), P("a"), P("a")), (3, 10, 8)),  # each device's rows of its members
+        ((P("a"), P("a", None, "b"), P("a", "b")), (6, 10, 4)),  # its columns (the aux cut)
+        ((P(None, "b"), P("a"), P("a")), (3, 10, 8)),  # x's members follow the kernel's
+    ],
+    ids=["rows-b", "cols-b", "x-members-whole"],
+)
+def test_ensemble_on_a_two_axis_mesh_splits_members_rows_and_columns(rng, seen, specs, per_member, partitioner):
+    """Members over "a" and each member's rows or N over "b": each device runs its own
+    members on its own block, gathering nothing in the forward."""
+    m = mesh((2, 2), ("a", "b"))
+    x, w, b = ensemble(rng, 8)
+    args = [put(m, a, *spec) for a, spec in zip((x, w, b), specs)]
+    layer = jax.vmap(functools.partial(fused_dense, activation="gelu"))
+    f = jax.jit(layer)
+    assert_near(f(*args), plain_ensemble("gelu")(x, w, b))
+    assert seen["dense"] == [per_member]
+    assert collectives(f.lower(*args).compile().as_text())["all-gather"] == 0
+    loss = lambda f: lambda *a: jnp.sum(f(*a) ** 2)
+    got = jax.jit(jax.grad(loss(layer), argnums=(0, 1, 2)))(*args)
+    for g, want in zip(got, jax.grad(loss(plain_ensemble("gelu")), argnums=(0, 1, 2))(x, w, b)):
+        assert_near(g, want)
+
+
+def test_ensemble_of_fused_mlps_keeps_members_split(rng, partitioner):
+    """An ensemble of linked GELU blocks (the DGELU backward batched over the members'
+    weights) differentiates with each device on its own members, with no collective."""
+    m4 = mesh((4,), ("data",))
+    x, w1, b1 = ensemble(rng, 12)
+    w2 = rng.standard_normal((8, 12, 5)) / 3
+    args = [put(m4, jnp.asarray(a, jnp.float32), "data") for a in (x, w1, b1, w2)]  # (float64 is not linked)
+
+    def block(x, w1, b1, w2):
+        return jax_epilog.fused_mlp(x, [(w1, b1), (w2, None)], ["gelu", None], implementation="cublaslt")
+
+    def plain(x, w1, b1, w2):
+        return jnp.einsum("emk,ekn->emn", plain_ensemble("gelu")(x, w1, b1), w2)
+
+    loss = lambda f: lambda *a: jnp.sum(f(*a) ** 2)
+    unjitted = jax.grad(loss(jax.vmap(block)), argnums=(0, 1, 2, 3))
+    grad = jax.jit(unjitted)
+    assert "jax_epilog_fused_gelu_input_grad" in str(jax.make_jaxpr(unjitted)(*args))
+    for got, ref in zip(grad(*args), jax.grad(loss(plain), argnums=(0, 1, 2, 3))(x, w1, b1, w2)):
+        ref = np.asarray(ref)  # float64, against float32 gradients
+        np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+        assert got.sharding.spec[0] == "data"
+    assert collectives(grad.lower(*args).compile().as_text()) == NO_COLLECTIVES
+
+
+def test_ensemble_differentiates_again_and_nests(rng):
+    """The members' loop differentiates in forward mode (a gradient penalty's gradient)
+    and batches again (vmap of an ensemble), on split members."""
+    m4 = mesh((4,), ("data",))
+    x, w, b = ensemble(rng, 8)
+    layer = jax.vmap(functools.partial(fused_dense, activation="gelu"))
+    loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))
+    penalty = lambda f: lambda *a: jnp.sum(jax.grad(loss(f), argnums=1)(*a) ** 2)
+    args = [put(m4, a, "data") for a in (x, w, b)]
+    got = jax.jit(jax.grad(penalty(layer), argnums=(0, 1, 2)))(*args)
+    for g, want in zip(got, jax.grad(penalty(plain_ensemble("gelu")), argnums=(0, 1, 2))(x, w, b)):
+        assert_near(g, want)
+    nested = [a.reshape(2, 4, *a.shape[1:]) for a in (x, w, b)]
+    y = jax.jit(jax.vmap(layer))(*(put(m4, a, None, "data") for a in nested))
+    assert_near(y, jax.vmap(plain_ensemble("gelu"))(*nested))
+
+
 @pytest.mark.parametrize("weights", ["whole", "split-n"])
 @pytest.mark.parametrize("activation", ["relu", "gelu"])
 def test_explicit_sharding_types_every_result_and_gradient(rng, seen, weights, activation):

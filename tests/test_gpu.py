@@ -487,6 +487,27 @@ def test_explicit_sharding_ensemble_runs_the_fused_path_per_member(rng):
     assert all(jax.typeof(g).sharding.spec[0] == "data" for g in grads)
 
 
+def test_ensemble_runs_the_fused_path_per_member(rng):
+    """vmap over the weights without explicit sharding (members_p's loop): forward and
+    backward run our custom calls once per member, with the oracle's numbers."""
+    from jax_epilog._ffi import TARGET_NAME
+
+    members = [_inputs(rng, 40, 24, 72, "bfloat16") for _ in range(3)]
+    x, w, b = (jnp.stack(a) for a in zip(*members))
+    layer = jax.vmap(lambda x, w, b: fused_dense(x, w, b, activation="gelu"))
+    assert "jax_epilog_members" in str(jax.make_jaxpr(layer)(x, w, b))
+    loss = lambda *a: jnp.sum(layer(*a).astype(jnp.float32))
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    assert grad.lower(x, w, b).as_text().count(f"@{TARGET_NAME}(") == 2  # the forward and BGRADA
+    y = jax.jit(layer)(x, w, b)
+    for i, (xi, wi, bi) in enumerate(members):
+        _assert_close(y[i], _oracle(xi, wi, bi, "gelu")[0], TOL["bfloat16"])
+    plain = lambda x, w, b: jnp.sum(jax.nn.gelu(jnp.einsum("emk,ekn->emn", x, w) + b[:, None], approximate=True))
+    f32 = [a.astype(jnp.float32) for a in (x, w, b)]
+    for g, want in zip(grad(x, w, b), jax.grad(plain, argnums=(0, 1, 2))(*f32)):
+        _assert_close(g, want, TOL["bfloat16"])
+
+
 _WORKER_THREAD_PLAN = """
 import threading
 import jax, jax.numpy as jnp, numpy as np

@@ -475,12 +475,46 @@ def _members_layout(avals, *, inner, inner_params, batched) -> Layout:
     return _LAYOUTS[inner](_one_member(avals, batched), **dict(inner_params)).over_members(batched)
 
 
-def _members_jvp(primals, tangents, **params):
+def _members_jvp(primals, tangents, *, inner, inner_params, batched, partitioned=False):
+    """The members' values from ``members_p`` (split as they are), their tangents from
+    ``inner``'s own rule batched over the members (XLA's ops, which XLA splits itself)."""
+    del partitioned
     tangents = [ad.instantiate_zeros(t) for t in tangents]
-    return jax.jvp(functools.partial(_member_loop, **params), list(primals), tangents)
+    axes = [0 if b else None for b in batched]
+
+    def one(primals, tangents):
+        return ad.primitive_jvps[inner](list(primals), list(tangents), **dict(inner_params))[1]
+
+    out_tangents = jax.vmap(one, in_axes=(axes, axes))(list(primals), tangents)
+    outs = members_p.bind(*primals, inner=inner, inner_params=inner_params, batched=batched)
+    return outs, out_tangents
 
 
-def _members_batch(args, dims, **params):
+def _members_batch(args, dims, *, inner, inner_params, batched, partitioned=False):
+    """A vmap of an ensemble. A new axis on the operands that hold ``inner``'s rows only,
+    all shared by the members (x beside the members' weights), folds into those rows:
+    one ``members_p`` call, split as before. Any other is a loop around the members'
+    (XLA gathers the inner members' split there)."""
+    del partitioned
+    params = dict(inner=inner, inner_params=inner_params, batched=batched)
+    outer = [d is not None for d in dims]
+    one = [
+        jax.core.ShapedArray(a.shape[int(o) + int(b) :], a.dtype) if o or b else a
+        for a, o, b in zip(args, outer, batched)
+    ]  # (the inner primitive's operands, for its layout)
+    layout = _LAYOUTS[inner](one, **dict(inner_params))
+    results = len(inner.abstract_eval(*one, **dict(inner_params))[0])
+    rows = layout.rows[0]
+    if (
+        not layout.summed
+        and len(layout.rows[1]) == results
+        and all(o == (i in rows) and not (o and batched[i]) for i, o in enumerate(outer))
+    ):
+        moved = [jnp.moveaxis(a, d, 0) if d is not None else a for a, d in zip(args, dims)]
+        size, per = moved[rows[0]].shape[:2]
+        folded = [a.reshape(size * per, *a.shape[2:]) if o else a for a, o in zip(moved, outer)]
+        outs = members_p.bind(*folded, **params)  # (members, size * per, ...)
+        return [o.reshape(o.shape[0], size, per, *o.shape[2:]) for o in outs], [1] * len(outs)
     outs = jax.vmap(functools.partial(_member_loop, **params), in_axes=tuple(dims))(*args)
     return outs, [0] * len(outs)
 

@@ -175,21 +175,22 @@ def _partitioned(primitive, params: dict, layout: Layout):
 
 
 def _decoded(mesh, shapes) -> list:
-    """Each operand's sharding as a NamedSharding on ``mesh``, or None where no
-    PartitionSpec can say it (the rule then takes that operand as unsplit: gathered).
+    """Each operand's sharding as a NamedSharding on ``mesh``, or None where jax cannot
+    read it as one (the rule then takes that operand as unsplit: gathered).
 
-    XLA may split an array over part of a mesh axis: a ReLU aux whose bits dy's columns
-    split finer than a byte (N = 128 over 32 devices: each byte over 16 devices, each
-    held by 2). custom_partitioning's own decoding raised an IndivisibleError there, on
-    operands and results alike, before the rule was asked; the rule reads only the
-    operands' shardings, so it decodes those itself."""
+    XLA may split an array over part of a mesh axis (a ReLU aux whose bits dy's columns
+    split finer than a byte: N = 128 over 32 devices puts each byte on 16 devices, each
+    held by 2), or over the mesh's devices in another order (rows whose blocks a
+    transpose permuted). custom_partitioning's own decoding raised there (an
+    IndivisibleError, an AssertionError), on operands and results alike, before the rule
+    was asked; the rule reads only the operands' shardings, so it decodes those itself."""
     decoded = []
     for shape in shapes:
         sharding = shape.sharding
         if _XlaSharding is not None and isinstance(sharding, _XlaSharding) and not mesh.empty:
             try:
                 spec = _parse_hlo_sharding(sharding._to_xla_hlo_sharding(shape.ndim), mesh)[0]
-            except (ValueError, NotImplementedError):  # (IndivisibleError is a ValueError)
+            except Exception:  # noqa: BLE001 -- its failures vary (ValueError, AssertionError, KeyError)
                 sharding = None
             else:
                 sharding = NamedSharding(mesh, PartitionSpec(*spec))

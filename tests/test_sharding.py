@@ -280,8 +280,9 @@ def test_relu_gradient_with_n_split_into_less_than_a_byte_a_device(rng, partitio
     """A ReLU layer's gradient with N = 128 split over 32 devices (4 columns, half a byte
     of the aux, each). dy's columns ask for the aux split over part of the mesh axis (a
     [1, 16, 2] tiling), which no PartitionSpec names: jax's custom_partitioning raised an
-    IndivisibleError decoding it, under both partitioners, until the rule decoded the
-    operands itself (32 CPU devices, in a fresh process)."""
+    IndivisibleError decoding that result's sharding, under both partitioners, until the
+    rule took over decoding (of the operands only: _sharding._decoded). 32 CPU devices,
+    in a fresh process."""
     import subprocess
     import sys
 
@@ -506,21 +507,84 @@ def test_ensemble_of_fused_mlps_keeps_members_split(rng, partitioner):
     assert collectives(grad.lower(*args).compile().as_text()) == NO_COLLECTIVES
 
 
-def test_ensemble_differentiates_again_and_nests(rng):
-    """The members' loop differentiates in forward mode (a gradient penalty's gradient)
-    and batches again (vmap of an ensemble), on split members."""
+def test_ensemble_differentiates_again_and_nests(rng, partitioner):
+    """A gradient penalty's gradient of an ensemble keeps its members split (members_p
+    for the values, XLA's ops for the tangents), with no collective; a vmap of an
+    ensemble whose outer axis is split keeps it split. (One whose split axis is the inner
+    one gathers it: README.)"""
     m4 = mesh((4,), ("data",))
     x, w, b = ensemble(rng, 8)
     layer = jax.vmap(functools.partial(fused_dense, activation="gelu"))
     loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))
     penalty = lambda f: lambda *a: jnp.sum(jax.grad(loss(f), argnums=1)(*a) ** 2)
     args = [put(m4, a, "data") for a in (x, w, b)]
-    got = jax.jit(jax.grad(penalty(layer), argnums=(0, 1, 2)))(*args)
-    for g, want in zip(got, jax.grad(penalty(plain_ensemble("gelu")), argnums=(0, 1, 2))(x, w, b)):
+    grad = jax.jit(jax.grad(penalty(layer), argnums=(0, 1, 2)))
+    for g, want in zip(grad(*args), jax.grad(penalty(plain_ensemble("gelu")), argnums=(0, 1, 2))(x, w, b)):
         assert_near(g, want)
-    nested = [a.reshape(2, 4, *a.shape[1:]) for a in (x, w, b)]
-    y = jax.jit(jax.vmap(layer))(*(put(m4, a, None, "data") for a in nested))
-    assert_near(y, jax.vmap(plain_ensemble("gelu"))(*nested))
+        assert g.sharding.spec[0] == "data"
+    assert collectives(grad.lower(*args).compile().as_text()) == NO_COLLECTIVES
+    nested = [a.reshape(4, 2, *a.shape[1:]) for a in (x, w, b)]
+    f = jax.jit(jax.vmap(layer))
+    args = [put(m4, a, "data") for a in nested]
+    assert_near(f(*args), jax.vmap(plain_ensemble("gelu"))(*nested))
+    assert collectives(f.lower(*args).compile().as_text()) == NO_COLLECTIVES
+
+
+def test_per_example_model_over_an_ensemble_folds_examples_into_rows(rng, partitioner):
+    """vmap over examples (x alone) of an ensemble whose members share x: the examples
+    fold into the rows of one members' loop, which keeps the members split (no
+    collective but dx's sum over the members)."""
+    m4 = mesh((4,), ("data",))
+    x, w, b = rng.standard_normal((5, 10)), rng.standard_normal((8, 10, 16)) / 3, rng.standard_normal((8, 16))
+
+    def model(x, w, b):  # one example (K,) through every member: (members, N)
+        return jax.vmap(lambda w, b: fused_dense(x, w, b, activation="relu"))(w, b)
+
+    f = jax.vmap(model, in_axes=(0, None, None))
+    plain = lambda x, w, b: jax.nn.relu(jnp.einsum("pk,ekn->pen", x, w) + b)
+    args = (put(m4, x), put(m4, w, "data"), put(m4, b, "data"))
+    y = jax.jit(f)(*args)
+    assert_near(y, plain(x, w, b))
+    assert y.sharding.spec[:2] == (None, "data")
+    assert collectives(jax.jit(f).lower(*args).compile().as_text()) == NO_COLLECTIVES
+    loss = lambda f: lambda *a: jnp.sum(f(*a) ** 2)
+    grad = jax.jit(jax.grad(loss(f), argnums=(0, 1, 2)))
+    for g, want in zip(grad(*args), jax.grad(loss(plain), argnums=(0, 1, 2))(x, w, b)):
+        assert_near(g, want)
+    assert collectives(grad.lower(*args).compile().as_text()) == {**NO_COLLECTIVES, "all-reduce": 1}
+
+
+_PERMUTED_ROWS = """
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+jax.config.update("jax_use_shardy_partitioner", sys.argv[1] == "shardy")
+jax.config.update("jax_enable_x64", True)
+import jax_epilog
+mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+rng = np.random.default_rng(int(sys.argv[2]))
+x, w, b = rng.standard_normal((32, 10)), rng.standard_normal((10, 16)) / 3, rng.standard_normal(16)
+permute = lambda x: x.reshape(2, 2, 8, 10).transpose(1, 0, 2, 3).reshape(32, 10)
+fused = lambda x, w, b: jax_epilog.fused_dense(permute(x), w, b, activation="gelu", implementation="cublaslt")
+got = jax.jit(fused)(jax.device_put(x, NamedSharding(mesh, P("data"))), w, b)
+want = jax.nn.gelu(permute(x) @ w + b, approximate=True)
+np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-12, atol=1e-12)
+"""
+
+
+@pytest.mark.parametrize("partitioner_name", ["gspmd", "shardy"])
+def test_rows_split_in_a_permuted_device_order_are_gathered(rng, partitioner_name):
+    """Rows whose blocks a transpose moved between devices arrive split over the mesh's
+    devices in another order, which no PartitionSpec names: the rule takes them as unsplit.
+    jax's own decoding raised there (an AssertionError; under GSPMD the process aborted),
+    so this runs in a fresh process."""
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-c", _PERMUTED_ROWS, partitioner_name, str(int(rng.integers(1 << 31)))]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 @pytest.mark.parametrize("weights", ["whole", "split-n"])

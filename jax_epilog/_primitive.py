@@ -134,6 +134,9 @@ def _impl_of(primitive: Primitive):
     return impl
 
 
+_TANGENTS = {}  # primitive -> its differentiation rule's tangents alone (for members_p's)
+
+
 def _jvp_of_reference(primitive: Primitive, reference):
     """Differentiation rule for ``primitive``: its own value, with the tangents of
     ``reference``, its math in plain XLA ops (which reverse mode can transpose), so that a
@@ -146,16 +149,19 @@ def _jvp_of_reference(primitive: Primitive, reference):
     implementation's). Such derivatives recompute what the tangents need (z for the
     activation's derivative) from the primals."""
 
-    def jvp(primals, tangents, **params):
+    def tangents_of(primals, tangents, **params):
         tangents = [ad.instantiate_zeros(t) for t in tangents]
         kept = params["compute_type"]
         if not ComputeType(kept).name.startswith("COMPUTE_32F_FAST"):
             kept = None
         as_xla = functools.partial(reference, **(params | {"compute_type": kept}))
-        _, out_tangents = jax.jvp(as_xla, list(primals), tangents)
-        return primitive.bind(*primals, **params), out_tangents
+        return jax.jvp(as_xla, list(primals), tangents)[1]
+
+    def jvp(primals, tangents, **params):
+        return primitive.bind(*primals, **params), tangents_of(primals, tangents, **params)
 
     ad.primitive_jvps[primitive] = jvp
+    _TANGENTS[primitive] = tangents_of
 
 
 fused_matmul_p.def_impl(_impl_of(fused_matmul_p))
@@ -481,10 +487,7 @@ def _members_jvp(primals, tangents, *, inner, inner_params, batched, partitioned
     del partitioned
     tangents = [ad.instantiate_zeros(t) for t in tangents]
     axes = [0 if b else None for b in batched]
-
-    def one(primals, tangents):
-        return ad.primitive_jvps[inner](list(primals), list(tangents), **dict(inner_params))[1]
-
+    one = functools.partial(_TANGENTS[inner], **dict(inner_params))
     out_tangents = jax.vmap(one, in_axes=(axes, axes))(list(primals), tangents)
     outs = members_p.bind(*primals, inner=inner, inner_params=inner_params, batched=batched)
     return outs, out_tangents
@@ -496,7 +499,7 @@ def _members_batch(args, dims, *, inner, inner_params, batched, partitioned=Fals
     one ``members_p`` call, split as before. Any other is a loop around the members'
     (XLA gathers the inner members' split there)."""
     del partitioned
-    params = dict(inner=inner, inner_params=inner_params, batched=batched)
+    params = {"inner": inner, "inner_params": inner_params, "batched": batched}
     outer = [d is not None for d in dims]
     one = [
         jax.core.ShapedArray(a.shape[int(o) + int(b) :], a.dtype) if o or b else a

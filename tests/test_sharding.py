@@ -254,21 +254,35 @@ def test_relu_bits_split_only_by_whole_bytes(devices, n, whole):
     assert split == _sharding.Split((), ("model",), whole)
 
 
-_RELU_ON_32_DEVICES = """
+def run_in_a_fresh_process(devices: int, script: str, partitioner_name: str, rng) -> None:
+    """``script`` in a new interpreter with ``devices`` virtual CPU devices on a mesh of
+    one Auto axis ("axis"), the named partitioner, float64, and ``rng`` seeded from this
+    test's; its failure (an exception, or an abort) fails the test with its stderr."""
+    import subprocess
+    import sys
+
+    preamble = f"""
 import os, sys
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=32"
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count={devices}"
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 jax.config.update("jax_use_shardy_partitioner", sys.argv[1] == "shardy")
 jax.config.update("jax_enable_x64", True)
 import jax_epilog
-mesh = jax.make_mesh((32,), ("model",), axis_types=(jax.sharding.AxisType.Auto,))
+mesh = jax.make_mesh(({devices},), ("axis",), axis_types=(jax.sharding.AxisType.Auto,))
 rng = np.random.default_rng(int(sys.argv[2]))
+"""
+    command = [sys.executable, "-c", preamble + script, partitioner_name, str(int(rng.integers(1 << 31)))]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+_RELU_ON_32_DEVICES = """
 x, w, b = rng.standard_normal((6, 9)), rng.standard_normal((9, 128)) / 3, rng.standard_normal(128)
 put = lambda a, *spec: jax.device_put(a, NamedSharding(mesh, P(*spec)))
 loss = lambda layer: lambda x, w, b: jnp.sum(layer(x, w, b) ** 2)
 fused = loss(lambda x, w, b: jax_epilog.fused_dense(x, w, b, activation="relu", implementation="cublaslt"))
-got = jax.jit(jax.grad(fused, argnums=(0, 1, 2)))(put(x), put(w, None, "model"), put(b, "model"))
+got = jax.jit(jax.grad(fused, argnums=(0, 1, 2)))(put(x), put(w, None, "axis"), put(b, "axis"))
 want = jax.grad(loss(lambda x, w, b: jax.nn.relu(x @ w + b)), argnums=(0, 1, 2))(x, w, b)
 for g, r in zip(got, want):
     np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-12, atol=1e-12)
@@ -283,12 +297,7 @@ def test_relu_gradient_with_n_split_into_less_than_a_byte_a_device(rng, partitio
     IndivisibleError decoding that result's sharding, under both partitioners, until the
     rule took over decoding (of the operands only: _sharding._decoded). 32 CPU devices,
     in a fresh process."""
-    import subprocess
-    import sys
-
-    command = [sys.executable, "-c", _RELU_ON_32_DEVICES, partitioner_name, str(int(rng.integers(1 << 31)))]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_in_a_fresh_process(32, _RELU_ON_32_DEVICES, partitioner_name, rng)
 
 
 def test_rows_that_do_not_divide_evenly_are_gathered(rng, seen):
@@ -555,19 +564,10 @@ def test_per_example_model_over_an_ensemble_folds_examples_into_rows(rng, partit
 
 
 _PERMUTED_ROWS = """
-import os, sys
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-import jax, jax.numpy as jnp, numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
-jax.config.update("jax_use_shardy_partitioner", sys.argv[1] == "shardy")
-jax.config.update("jax_enable_x64", True)
-import jax_epilog
-mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
-rng = np.random.default_rng(int(sys.argv[2]))
 x, w, b = rng.standard_normal((32, 10)), rng.standard_normal((10, 16)) / 3, rng.standard_normal(16)
 permute = lambda x: x.reshape(2, 2, 8, 10).transpose(1, 0, 2, 3).reshape(32, 10)
 fused = lambda x, w, b: jax_epilog.fused_dense(permute(x), w, b, activation="gelu", implementation="cublaslt")
-got = jax.jit(fused)(jax.device_put(x, NamedSharding(mesh, P("data"))), w, b)
+got = jax.jit(fused)(jax.device_put(x, NamedSharding(mesh, P("axis"))), w, b)
 want = jax.nn.gelu(permute(x) @ w + b, approximate=True)
 np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-12, atol=1e-12)
 """
@@ -579,12 +579,7 @@ def test_rows_split_in_a_permuted_device_order_are_gathered(rng, partitioner_nam
     devices in another order, which no PartitionSpec names: the rule takes them as unsplit.
     jax's own decoding raised there (an AssertionError; under GSPMD the process aborted),
     so this runs in a fresh process."""
-    import subprocess
-    import sys
-
-    command = [sys.executable, "-c", _PERMUTED_ROWS, partitioner_name, str(int(rng.integers(1 << 31)))]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_in_a_fresh_process(4, _PERMUTED_ROWS, partitioner_name, rng)
 
 
 @pytest.mark.parametrize("weights", ["whole", "split-n"])

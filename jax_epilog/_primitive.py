@@ -501,10 +501,10 @@ def _members_batch(args, dims, *, inner, inner_params, batched, partitioned=Fals
     del partitioned
     params = {"inner": inner, "inner_params": inner_params, "batched": batched}
     outer = [d is not None for d in dims]
-    one = [
-        jax.core.ShapedArray(a.shape[int(o) + int(b) :], a.dtype) if o or b else a
-        for a, o, b in zip(args, outer, batched)
-    ]  # (the inner primitive's operands, for its layout)
+    one = [  # the inner primitive's operands, for its layout: without the new axis, then the members'
+        jax.core.ShapedArray(tuple(np.delete(a.shape, [d] if o else []))[int(b) :], a.dtype)
+        for a, d, o, b in zip(args, dims, outer, batched)
+    ]
     layout = _LAYOUTS[inner](one, **dict(inner_params))
     results = len(inner.abstract_eval(*one, **dict(inner_params))[0])
     rows = layout.rows[0]

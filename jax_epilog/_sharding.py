@@ -199,11 +199,11 @@ def _decoded(mesh, shapes) -> list:
 
 
 def _split(layout: Layout, mesh, shapes, shardings) -> Split:
-    """The mesh axes that split the first batched operand's members that are split, if
-    they divide them; those that split the first row operand's rows, if they leave the members' alone and
-    divide M (the other row operands are resharded to match); those that split N in the
-    deciding operand, if they leave both alone and divide N; the packed results that
-    cannot split."""
+    """The mesh axes that split the members (as the first batched operand whose members
+    are split has them, if they divide them: the others are resharded to match); those
+    that split the first row operand's rows, if they leave the members' alone and divide
+    M (likewise); those that split N in the deciding operand, if they leave both alone
+    and divide N; the packed results that cannot split."""
 
     def axes(i: int, dim: int, taken: tuple[str, ...]) -> tuple[str, ...]:
         found = _axes(shardings[i], dim) if isinstance(shardings[i], NamedSharding) else ()

@@ -331,14 +331,18 @@ def write_results(out: str, stem: str, rows: list[dict], table: str) -> None:
         fh.write(table)
 
 
-def main_over_shapes(argv, doc: str, stem: str, bench, table, shapes) -> None:
-    """A probe's command line: ``--shape M K N`` (repeatable; ``shapes`` without it) and
-    ``--out DIR``. Prints ``table(bench(shapes))``; with ``--out`` writes DIR/STEM.{json,md}."""
+def main_over_shapes(argv, doc: str, stem: str, bench, table, shapes, **options) -> None:
+    """A probe's command line: ``--shape M K N`` (repeatable; ``shapes`` without it),
+    ``--out DIR`` and ``--NAME VALUE`` for each of ``options`` (NAME: its default), which
+    ``bench`` takes as keywords. Prints ``table(bench(shapes))``; with ``--out`` writes
+    DIR/STEM.{json,md}."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--out", default=None)
     parser.add_argument("--shape", nargs=3, type=int, action="append", metavar=("M", "K", "N"))
+    for name, default in options.items():
+        parser.add_argument(f"--{name}", type=type(default), default=default)
     args = parser.parse_args(argv)
-    rows = bench([tuple(s) for s in args.shape] if args.shape else shapes)
+    rows = bench([tuple(s) for s in args.shape] if args.shape else shapes, **{n: getattr(args, n) for n in options})
     text = table(rows)
     print(text)
     if args.out:

@@ -831,6 +831,32 @@ def test_second_order_probe_times_one_gradient_of_a_penalty_three_ways_on_cpu(rn
     assert "XLA / cublaslt" in capsys.readouterr().out
 
 
+def test_ensemble_probe_times_each_pass_three_ways_on_cpu(rng, tmp_path, capsys):
+    from benchmarks.probes import ensemble
+
+    e, m, k, n = 3, *(int(v) for v in rng.integers(17, 60, size=3))
+    # The contenders compute the same thing: checked in float32 (in bfloat16 XLA rounds
+    # z before the bias and the activation, so a few ReLU mask bits differ: up to 4% of a
+    # small kernel gradient).
+    args = ensemble.members_inputs(e, m, k, n, rng, jnp.float32)
+    assert args[0].shape == (e, m, k) and args[1].shape == (e, k, n) and args[2].shape == (e, n)
+    assert not np.allclose(args[1][0], args[1][1])
+    for activation in ("relu", "gelu"):
+        for pass_, progs in ensemble.programs(activation).items():
+            outs = {c: jax.tree.leaves(f(*args)) for c, f in progs.items()}
+            for c in ("auto", "cublaslt"):
+                for got, want in zip(outs[c], outs["xla"], strict=True):
+                    scale = max(1.0, float(np.abs(want).max()))
+                    assert np.abs(np.asarray(got) - np.asarray(want)).max() <= 1e-4 * scale, (activation, pass_, c)
+    ensemble.main(["--shape", "40", "24", "56", "--members", "2", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "ensemble.json").read_text())["rows"]
+    assert [(r["shape"], r["activation"], r["pass_"]) for r in rows] == [
+        ("2x 40x24->56", a, p) for a in ("relu", "gelu") for p in ("forward", "gradient")
+    ]
+    assert all(r[f"{c}_us"] > 0 for r in rows for c in ensemble.CONTENDERS)
+    assert "XLA / cublaslt" in capsys.readouterr().out
+
+
 def test_mlp_rows_time_each_activation_interleaved(monkeypatch):
     from benchmarks import training
 

@@ -1,0 +1,90 @@
+"""Probe: an ensemble's layer (``jax.vmap`` over stacked weights) against XLA's.
+
+    python -m benchmarks.probes.ensemble [--out DIR] [--members E] [--shape M K N ...]
+
+Batched weights run the fused primitive once per member, in a loop (``members_p``): E
+cuBLASLt calls one after another, where XLA's ``vmap`` of the plain expression is one
+batched GEMM and its epilog. This probe times the forward and a gradient
+(``jax.grad`` of ``sum(layer(x, w, b))`` in x, w and b, summed in float32) of
+``jax.jit(jax.vmap(layer))`` over E members, each with its own x, for XLA's expression,
+``fused_dense`` with ``"auto"`` and with ``"cublaslt"`` (bf16, each member's inputs as
+benchmarks.training's, median of interleaved samples of back-to-back calls as
+benchmarks.forward). Results: DIR/ensemble.{json,md}.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.forward import main_over_shapes, single_layers, time_jax_interleaved
+from benchmarks.training import layer_inputs
+from jax_epilog import fused_dense
+
+SHAPES = [(256, 1024, 1024), (8192, 1024, 4096)]
+CONTENDERS = ("xla", "auto", "cublaslt")
+MEMBERS = 8
+
+
+def members_inputs(members: int, m: int, k: int, n: int, rng: np.random.Generator, dtype=jnp.bfloat16):
+    """Each member's (x, kernel, bias) as benchmarks.training draws them, stacked."""
+    draws = (layer_inputs(m, k, n, rng, dtype) for _ in range(members))
+    return tuple(jnp.stack(parts) for parts in zip(*draws))
+
+
+def programs(activation: str) -> dict[str, dict]:
+    """{"forward" | "gradient": {contender: jitted program over stacked members}}."""
+    layers = single_layers(activation)
+    layers = {"xla": layers["xla"], "auto": partial(fused_dense, activation=activation), "cublaslt": layers["fused"]}
+    summed = lambda f: lambda x, w, b: jnp.sum(jax.vmap(f)(x, w, b), dtype=jnp.float32)
+    return {
+        "forward": {c: jax.jit(jax.vmap(layers[c])) for c in CONTENDERS},
+        "gradient": {c: jax.jit(jax.grad(summed(layers[c]), argnums=(0, 1, 2))) for c in CONTENDERS},
+    }
+
+
+def bench(shapes, members: int = MEMBERS) -> list[dict]:
+    rows = []
+    for m, k, n in shapes:
+        args = members_inputs(members, m, k, n, np.random.default_rng(3))
+        for activation in ("relu", "gelu"):
+            for pass_, progs in programs(activation).items():
+                us = dict(zip(progs, time_jax_interleaved(*((f, args) for f in progs.values()))))
+                rows.append(
+                    dict(
+                        shape=f"{members}x {m}x{k}->{n}",
+                        activation=activation,
+                        pass_=pass_,
+                        **{f"{c}_us": us[c] for c in CONTENDERS},
+                    )
+                )
+                print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        "| members × M×K→N (bf16) | act | pass | "
+        + " | ".join(f"{c} µs" for c in CONTENDERS)
+        + " | XLA / auto | XLA / cublaslt |",
+        "|" + "---|" * (len(CONTENDERS) + 5),
+    ]
+    for r in rows:
+        times = " | ".join(f"{r[f'{c}_us']:.1f}" for c in CONTENDERS)
+        lines.append(
+            f"| {r['shape']} | {r['activation']} | {r['pass_']} | {times} | "
+            f"{r['xla_us'] / r['auto_us']:.2f}× | {r['xla_us'] / r['cublaslt_us']:.2f}× |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    main_over_shapes(argv, __doc__, "ensemble", bench, table, SHAPES, members=MEMBERS)
+
+
+if __name__ == "__main__":
+    main()

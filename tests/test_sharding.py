@@ -437,7 +437,12 @@ def ensemble(rng, n):
 
 def plain_ensemble(activation):
     """The members' layers in XLA's ops; x per member (e, m, k) or shared (m, k)."""
-    return lambda x, w, b: act_fn(activation)(jnp.einsum("emk,ekn->emn" if x.ndim == 3 else "mk,ekn->emn", x, w) + b[:, None])
+
+    def layers(x, w, b):
+        z = jnp.einsum("emk,ekn->emn" if x.ndim == 3 else "mk,ekn->emn", x, w) + b[:, None]
+        return act_fn(activation)(z)
+
+    return layers
 
 
 @pytest.mark.parametrize("activation", ["relu", "gelu"])
@@ -574,11 +579,11 @@ np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-12, atol=1
 
 
 @pytest.mark.parametrize("partitioner_name", ["gspmd", "shardy"])
-def test_rows_split_in_a_permuted_device_order_are_gathered(rng, partitioner_name):
+def test_rows_split_in_a_permuted_device_order_compile_and_match(rng, partitioner_name):
     """Rows whose blocks a transpose moved between devices arrive split over the mesh's
-    devices in another order, which no PartitionSpec names: the rule takes them as unsplit.
-    jax's own decoding raised there (an AssertionError; under GSPMD the process aborted),
-    so this runs in a fresh process."""
+    devices in another order, which no PartitionSpec names (the rule takes them as
+    unsplit). jax's own decoding raised there (an AssertionError; under GSPMD the process
+    aborted), so this runs in a fresh process."""
     run_in_a_fresh_process(4, _PERMUTED_ROWS, partitioner_name, rng)
 
 

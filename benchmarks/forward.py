@@ -331,6 +331,20 @@ def write_results(out: str, stem: str, rows: list[dict], table: str) -> None:
         fh.write(table)
 
 
+def xla_ratio_table(rows: list[dict], keys: dict[str, str], contenders) -> str:
+    """A Markdown table of ``rows``: the ``keys`` columns ({heading: row key}), each
+    contender's µs (row key ``{contender}_us``), then XLA's time over each other's."""
+    others = [c for c in contenders if c != "xla"]
+    lines = [
+        "| " + " | ".join([*keys, *(f"{c} µs" for c in contenders), *(f"XLA / {c}" for c in others)]) + " |",
+        "|" + "---|" * (len(keys) + len(contenders) + len(others)),
+    ]
+    for r in rows:
+        cells = [str(r[k]) for k in keys.values()] + [f"{r[f'{c}_us']:.1f}" for c in contenders]
+        lines.append("| " + " | ".join(cells + [f"{r['xla_us'] / r[f'{c}_us']:.2f}×" for c in others]) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main_over_shapes(argv, doc: str, stem: str, bench, table, shapes, **options) -> None:
     """A probe's command line: ``--shape M K N`` (repeatable; ``shapes`` without it),
     ``--out DIR`` and ``--NAME VALUE`` for each of ``options`` (NAME: its default), which

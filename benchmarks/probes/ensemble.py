@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.forward import main_over_shapes, single_layers, time_jax_interleaved
+from benchmarks.forward import main_over_shapes, single_layers, time_jax_interleaved, xla_ratio_table
 from benchmarks.training import layer_inputs
 from jax_epilog import fused_dense
 
@@ -67,19 +67,7 @@ def bench(shapes, members: int = MEMBERS) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = [
-        "| members × M×K→N (bf16) | act | pass | "
-        + " | ".join(f"{c} µs" for c in CONTENDERS)
-        + " | XLA / auto | XLA / cublaslt |",
-        "|" + "---|" * (len(CONTENDERS) + 5),
-    ]
-    for r in rows:
-        times = " | ".join(f"{r[f'{c}_us']:.1f}" for c in CONTENDERS)
-        lines.append(
-            f"| {r['shape']} | {r['activation']} | {r['pass_']} | {times} | "
-            f"{r['xla_us'] / r['auto_us']:.2f}× | {r['xla_us'] / r['cublaslt_us']:.2f}× |"
-        )
-    return "\n".join(lines) + "\n"
+    return xla_ratio_table(rows, {"members × M×K→N (bf16)": "shape", "act": "activation", "pass": "pass_"}, CONTENDERS)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -151,10 +151,8 @@ def _jvp_of_reference(primitive: Primitive, reference):
 
     def tangents_of(primals, tangents, **params):
         tangents = [ad.instantiate_zeros(t) for t in tangents]
-        kept = params["compute_type"]
-        if not ComputeType(kept).name.startswith("COMPUTE_32F_FAST"):
-            kept = None
-        as_xla = functools.partial(reference, **(params | {"compute_type": kept}))
+        compute_type = _reference.derivative_compute_type(params["compute_type"])
+        as_xla = functools.partial(reference, **(params | {"compute_type": compute_type}))
         return jax.jvp(as_xla, list(primals), tangents)[1]
 
     def jvp(primals, tangents, **params):
@@ -285,7 +283,8 @@ def _map_over_batch(primitive: Primitive, args, dims, **params):
     if explicitly_typed(moved):
         outs = map_members(lambda *ops: primitive.bind(*ops, **params), moved, batched)
     else:
-        outs = members_p.bind(*moved, inner=primitive, inner_params=tuple(sorted(params.items())), batched=batched)
+        inner_params = tuple(sorted(params.items()))
+        outs = members_p.bind(*moved, inner=primitive, inner_params=inner_params, batched=batched)
     return outs, [0] * len(outs)
 
 
@@ -453,7 +452,9 @@ batching.primitive_batchers[fused_gelu_input_grad_p] = _igrad_batch
 
 members_p = Primitive("jax_epilog_members")
 members_p.multiple_results = True
-_LAYOUTS = {fused_matmul_p: _layout, fused_weight_grad_p: _wgrad_layout, fused_gelu_input_grad_p: _igrad_layout}
+_LAYOUTS = {
+    fused_matmul_p: _layout, fused_weight_grad_p: _wgrad_layout, fused_gelu_input_grad_p: _igrad_layout,
+}  # fmt: skip
 
 
 def _member_loop(*operands, inner, inner_params, batched, partitioned=False):
@@ -501,10 +502,9 @@ def _members_batch(args, dims, *, inner, inner_params, batched, partitioned=Fals
     del partitioned
     params = {"inner": inner, "inner_params": inner_params, "batched": batched}
     outer = [d is not None for d in dims]
-    one = [  # the inner primitive's operands, for its layout: without the new axis, then the members'
-        jax.core.ShapedArray(tuple(np.delete(a.shape, [d] if o else []))[int(b) :], a.dtype)
-        for a, d, o, b in zip(args, dims, outer, batched)
-    ]
+    unbatched = [np.delete(a.shape, [d] if o else []) for a, d, o in zip(args, dims, outer)]
+    # The inner primitive's operands, for its layout: without the new axis, then the members'.
+    one = _one_member([jax.core.ShapedArray(tuple(s), a.dtype) for s, a in zip(unbatched, args)], batched)
     layout = _LAYOUTS[inner](one, **dict(inner_params))
     results = len(inner.abstract_eval(*one, **dict(inner_params))[0])
     rows = layout.rows[0]

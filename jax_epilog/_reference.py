@@ -19,6 +19,7 @@ from ._sharding import explicit_product, like
 __all__ = [
     "activate",
     "dense",
+    "derivative_compute_type",
     "gelu_input_grad",
     "input_grad",
     "output_grad",
@@ -93,6 +94,13 @@ def _fast_operands(a: jax.Array, b: jax.Array, compute_type: ComputeType) -> tup
     return jax.lax.platform_dependent(a, b, cuda=same, rocm=same, default=rounded)
 
 
+def derivative_compute_type(compute_type: ComputeType) -> ComputeType | None:
+    """The compute type of the math the fused primitives are differentiated through: None
+    (``_matmul``'s plain GEMMs, in the operands' dtype, as XLA's autodiff runs them),
+    except that a ``_FAST`` type keeps the rounding it allows (TF32 on the GPU)."""
+    return compute_type if compute_type in _FAST_FORMATS else None
+
+
 def _matmul(
     a: jax.Array, b: jax.Array, contract: tuple[int, int], compute_type: ComputeType | None, out_dtype=None
 ) -> jax.Array:
@@ -119,7 +127,7 @@ def _matmul(
     if compute_type is None:
         product = jax.lax.dot_general(a, b, dims, precision=_plain_precision(a.dtype), out_sharding=out_sharding)
         return product if out_dtype is None else product.astype(out_dtype)
-    fast = compute_type.name.startswith("COMPUTE_32F_FAST")
+    fast = compute_type in _FAST_FORMATS
     if fast:
         a, b = _fast_operands(a, b, compute_type)
     direct = (

@@ -45,7 +45,9 @@ from ._sharding import (
     map_members,
     member_loop,
     partitioned_lowering,
+    shaped_like,
     typed,
+    vary_alike,
 )
 
 __all__ = ["FastPathWarning", "fused_gelu_input_grad", "fused_matmul", "fused_weight_grad"]
@@ -63,7 +65,7 @@ def fused_matmul(x, kernel, bias, *, activation, with_aux, compute_type, d_dtype
     """(m, k) x, (k, n) kernel, (n,) bias or None -> [y] or [y, aux]."""
     operands = (x, kernel) if bias is None else (x, kernel, bias)
     return fused_matmul_p.bind(
-        *operands,
+        *vary_alike(*operands),
         activation=activation,
         with_aux=with_aux and activation is not None,
         compute_type=compute_type,
@@ -299,7 +301,7 @@ fused_weight_grad_p.multiple_results = True
 
 def fused_weight_grad(x, dz, *, compute_type, d_dtype):
     """(m, k) x and (m, n) dz -> [x^T @ dz, sum(dz, 0)], both in ``d_dtype``, from one GEMM."""
-    return fused_weight_grad_p.bind(x, dz, compute_type=compute_type, d_dtype=np.dtype(d_dtype))
+    return fused_weight_grad_p.bind(*vary_alike(x, dz), compute_type=compute_type, d_dtype=np.dtype(d_dtype))
 
 
 def _wgrad_abstract_eval(x, dz, *, compute_type, d_dtype, partitioned=False):
@@ -370,7 +372,7 @@ fused_gelu_input_grad_p.multiple_results = True
 def fused_gelu_input_grad(dz, kernel, aux, *, compute_type):
     """(m, n) dz, (k, n) kernel, (m, round_up(k, 8)) GELU aux -> [(dz @ kernel^T) * gelu'(z)],
     (m, k) in the aux's dtype, from one GEMM (``_reference.gelu_input_grad``)."""
-    return fused_gelu_input_grad_p.bind(dz, kernel, aux, compute_type=compute_type)
+    return fused_gelu_input_grad_p.bind(*vary_alike(dz, kernel, aux), compute_type=compute_type)
 
 
 def _igrad_abstract_eval(dz, kernel, aux, *, compute_type, partitioned=False):
@@ -468,14 +470,14 @@ def _member_loop(*operands, inner, inner_params, batched, partitioned=False):
 
 
 def _one_member(avals, batched):
-    return [jax.core.ShapedArray(a.shape[1:], a.dtype) if b else a for a, b in zip(avals, batched)]
+    return [shaped_like(a, a.shape[1:], a.dtype) if b else a for a, b in zip(avals, batched)]
 
 
 def _members_abstract_eval(*avals, inner, inner_params, batched, partitioned=False):
     del partitioned
     size = next(a.shape[0] for a, b in zip(avals, batched) if b)
     outs, _ = inner.abstract_eval(*_one_member(avals, batched), **dict(inner_params))
-    return [jax.core.ShapedArray((size, *o.shape), o.dtype) for o in outs]
+    return [shaped_like(o, (size, *o.shape), o.dtype) for o in outs]
 
 
 def _members_layout(avals, *, inner, inner_params, batched) -> Layout:

@@ -59,7 +59,7 @@ except ImportError:  # a jax without them: custom_partitioning decodes (and may 
 
 __all__ = [
     "Layout", "explicit_product", "explicitly_typed", "fold_rows", "like", "map_members", "member_loop",
-    "needs_transpose", "partitioned_lowering", "typed",
+    "needs_transpose", "partitioned_lowering", "shaped_like", "typed", "vary_alike",
 ]  # fmt: skip
 
 
@@ -280,23 +280,66 @@ def _out_shardings(layout: Layout, mesh, result_shapes, split: Split):
 def typed(layout: Layout, args, results) -> list[jax.core.ShapedArray]:
     """A primitive's abstract results ``[(shape, dtype), ...]`` for operands ``args``: split
     as the rule splits them (``layout``), on the operands' mesh where that mesh is explicit
-    (an array's type then names its sharding); elsewhere plain ShapedArrays."""
+    (an array's type then names its sharding); elsewhere plain ShapedArrays. Inside
+    ``shard_map`` each result differs over the manual axes its operands differ over
+    (``vary_alike`` made them the same)."""
     shardings = [getattr(a, "sharding", None) for a in args]
     explicit = next((s for s in shardings if _explicit(s)), None)
+    template = max(args, key=lambda a: len(varying(a)))
     if explicit is None:
-        return [jax.core.ShapedArray(shape, dtype) for shape, dtype in results]  # (as before)
+        return [shaped_like(template, shape, dtype) for shape, dtype in results]
     mesh = explicit.mesh
     split = _split(layout, mesh, [a.shape for a in args], shardings)
     return [
-        jax.core.ShapedArray(shape, dtype, sharding=_sharding(mesh, len(shape), _dims(layout, 1, i, split)))
+        shaped_like(template, shape, dtype, _sharding(mesh, len(shape), _dims(layout, 1, i, split)))
         for i, (shape, dtype) in enumerate(results)
     ]
 
 
+def shaped_like(template, shape, dtype, sharding=None) -> jax.core.ShapedArray:
+    """A ShapedArray of ``shape`` and ``dtype`` that differs over the same manual axes as
+    ``template`` (an abstract value), split as ``sharding`` says (explicit sharding) or
+    not at all."""
+    if not varying(template):
+        return jax.core.ShapedArray(shape, dtype, sharding=sharding)
+    if sharding is None:
+        sharding = NamedSharding(template.sharding.mesh, PartitionSpec())
+    return template.update(shape=shape, dtype=dtype, weak_type=False, sharding=sharding)
+
+
+def varying(aval) -> frozenset:
+    """The manual (``shard_map``) mesh axes over which a value of type ``aval`` differs
+    from device to device: jax types values by them inside ``shard_map``, where a value
+    the same on every device must be declared so (``out_specs``) and an operand the same on
+    every device gets its gradient summed over them. (The attribute's name has changed
+    across jax releases; empty wherever none is found, as outside ``shard_map``.)"""
+    for name in ("mat", "manual_axis_type", "manual_type"):
+        if (mat := getattr(aval, name, None)) is not None:
+            return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", ()))
+
+
+def vary_alike(*operands) -> list:
+    """``operands`` cast to differ over the same manual axes (their union), as jax casts
+    the operands of its own primitives inside ``shard_map`` (a change of type: no data
+    moves), so that a primitive's results can take their type (``typed``)."""
+    kinds = [varying(jax.typeof(o)) for o in operands]
+    union = frozenset().union(*kinds)
+    return [
+        o if kind == union else jax.lax.pcast(o, tuple(union - kind), to="varying")
+        for o, kind in zip(operands, kinds)
+    ]
+
+
 def like(value, primal):
-    """``value`` (a cotangent) resharded to ``primal``'s type where explicit sharding says
-    they differ (e.g. a kernel gradient, whole from a GEMM that gathered a kernel split
-    along N over the rows' axes)."""
+    """``value`` (a cotangent) given ``primal``'s type: summed over the manual axes it
+    differs over and ``primal`` does not (inside ``shard_map``: a kernel the same on every
+    device gets every device's part of its gradient), and resharded where explicit
+    sharding says they differ (e.g. a kernel gradient, whole from a GEMM that gathered a
+    kernel split along N over the rows' axes)."""
+    extra = varying(jax.typeof(value)) - varying(jax.typeof(primal))
+    if extra:
+        value = jax.lax.psum(value, tuple(extra))
     want = getattr(jax.typeof(primal), "sharding", None)
     have = getattr(jax.typeof(value), "sharding", None)
     if not _explicit(want) or not isinstance(have, NamedSharding) or tuple(want.spec) == tuple(have.spec):

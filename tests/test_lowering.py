@@ -186,3 +186,21 @@ def test_derivatives_of_a_float32_gradient_keep_the_layers_precision(cublaslt_ac
     dots = re.findall(r"stablehlo.dot_general .*", text)
     assert _calls(text) and len(dots) >= 4
     assert all(("HIGHEST" in d) == (precision == "HIGHEST") for d in dots), dots
+
+
+def test_inside_shard_map_the_fused_calls_lower_and_the_weight_gradients_sum(cublaslt_accepts):
+    """A linked GELU block in a shard_map over rows: each device's forward, DGELU and
+    BGRADA calls, and an all-reduce for each weight gradient (w1, b1, w2: the weights are
+    the same on every device). Before, jax refused the backward's types there."""
+    mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices("cpu")[:4])
+    x, w1, b1 = _args(jnp.bfloat16, m=4 * 33)
+    w2 = jnp.ones((65, 17), jnp.bfloat16)
+    block = lambda x, w1, b1, w2: fused_mlp(x, [(w1, b1), (w2, None)], ["gelu", None], implementation="cublaslt")
+    P = jax.sharding.PartitionSpec
+    sharded = jax.shard_map(block, mesh=mesh, in_specs=(P("data"), P(), P(), P()), out_specs=P("data"))
+    loss = lambda *args: sharded(*args).astype(jnp.float32).sum()
+    text = _cuda_text(jax.grad(loss, argnums=(0, 1, 2, 3)), x, w1, b1, w2)
+    problems = [re.search(r'problem = "(\w+)"', call).group(1) for call in _calls(text)]
+    assert sorted(problems) == ["dgrad", "forward", "wgrad"]
+    assert "m = 33" in _calls(text)[0]  # each device's rows
+    assert text.count("stablehlo.all_reduce") == 3

@@ -327,6 +327,71 @@ def test_inside_shard_map_each_device_runs_its_block(rng, seen):
     assert seen["dense"] == [(6, 10, 13)]
 
 
+def inside_shard_map(layer, m4, x_spec, w_spec, out_spec):
+    """``layer(x, w, b)`` in a shard_map over "data" (b split as w's last dimension)."""
+    b_spec = P(*w_spec[1:])
+    return jax.shard_map(layer, mesh=m4, in_specs=(x_spec, w_spec, b_spec), out_specs=out_spec)
+
+
+@pytest.mark.parametrize("activation", [None, "relu", "gelu"])
+@pytest.mark.parametrize(
+    "x_spec, w_spec, out_spec",
+    [(P("data"), P(), P("data")), (P(), P(None, "data"), P(None, "data"))],
+    ids=["rows-per-device", "columns-per-device"],
+)
+def test_inside_shard_map_results_vary_by_device_and_gradients_sum_over_them(
+    rng, activation, x_spec, w_spec, out_spec
+):
+    """Inside shard_map jax types each value by the mesh axes it differs over: a result
+    computed from per-device rows (or columns) differs by device, so an out_spec that
+    says it does not is refused (before, the fused call's results claimed to be the same
+    everywhere, and out_specs=P() returned device 0's block). The gradient of an operand
+    that is the same on every device sums every device's part (before, jax refused the
+    backward's types)."""
+    m4 = mesh((4,), ("data",))
+    x, w, b = operands(rng, 4 * 5, 9, 4 * 3)
+    layer = lambda x, w, b: fused_dense(x, w, b, activation=activation)
+    with pytest.raises(ValueError, match="out_specs"):
+        jax.jit(inside_shard_map(lambda *a: layer(*a).sum(0), m4, x_spec, w_spec, P()))(x, w, b)
+    loss = lambda f: lambda x, w, b: jnp.sum(jnp.sin(f(x, w, b)))
+    got = jax.jit(jax.grad(loss(inside_shard_map(layer, m4, x_spec, w_spec, out_spec)), argnums=(0, 1, 2)))(x, w, b)
+    want = jax.grad(loss(lambda x, w, b: reference(x, w, b, activation)), argnums=(0, 1, 2))(x, w, b)
+    for g, r in zip(got, want, strict=True):
+        assert_near(g, r)
+
+
+def test_inside_shard_map_a_fused_mlp_and_an_ensemble_differentiate(rng):
+    """The same inside shard_map for fused_mlp's linked backward (its DGELU primitive) and
+    for an ensemble (members_p), weights the same on every device."""
+    m4 = mesh((4,), ("data",))
+    x, w1, b1 = operands(rng, 4 * 6, 10, 16)
+    w2 = rng.standard_normal((16, 7)) / 4
+    ws, bs = rng.standard_normal((3, 10, 16)) / 3, rng.standard_normal((3, 16))
+
+    def mlp(x, w1, b1, w2):
+        return jax_epilog.fused_mlp(x, [(w1, b1), (w2, None)], ["gelu", None], implementation="cublaslt")
+
+    def plain_mlp(x, w1, b1, w2):
+        return reference(reference(x, w1, b1, "gelu"), w2, None, None)
+
+    def members(x, ws, bs):
+        return jax.vmap(lambda w, b: fused_dense(x, w, b, activation="relu"))(ws, bs)
+
+    def plain_members(x, ws, bs):
+        return jax.nn.relu(jnp.einsum("mk,ekn->emn", x, ws) + bs[:, None])
+
+    loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))
+    for f, plain, args, out_spec in (
+        (mlp, plain_mlp, (x, w1, b1, w2), P("data")),
+        (members, plain_members, (x, ws, bs), P(None, "data")),
+    ):
+        in_specs = (P("data"), *(P() for _ in args[1:]))
+        sharded = jax.shard_map(f, mesh=m4, in_specs=in_specs, out_specs=out_spec)
+        got = jax.jit(jax.grad(loss(sharded), argnums=tuple(range(len(args)))))(*args)
+        for g, r in zip(got, jax.grad(loss(plain), argnums=tuple(range(len(args))))(*args), strict=True):
+            assert_near(g, r)
+
+
 def test_fused_mlp_over_split_rows(rng, seen):
     """fused_mlp's linked backward (the GELU layer's dz from the next GEMM) on split rows."""
     m4 = mesh((4,), ("data",))
@@ -709,6 +774,23 @@ def test_explicit_sharding_ensemble_split_over_members(rng, activation, partitio
         assert_near(got, ref)
         assert jax.typeof(got).sharding.spec[0] == "data"
     assert collectives(grad.lower(xs, ws, bs).compile().as_text()) == none
+
+
+def test_explicit_sharding_ensemble_differentiates_again(rng):
+    """A gradient penalty's gradient of an ensemble whose members are split (inside
+    map_members' shard_map the values are typed as differing by device, like their
+    tangents: before, jax refused to cast them)."""
+    m = mesh((4,), ("data",), AxisType.Explicit)
+    x, w, b = rng.standard_normal((6, 10)), rng.standard_normal((8, 10, 12)) / 3, rng.standard_normal((8, 12))
+    args = (put(m, x), put(m, w, "data"), put(m, b, "data"))
+    layer = functools.partial(fused_dense, activation="gelu")
+    loss = lambda f: lambda x, w, b: jnp.sum(jnp.sin(jax.vmap(f, in_axes=(None, 0, 0))(x, w, b)))
+    penalty = lambda f: lambda *a: jnp.sum(jax.grad(loss(f), argnums=1)(*a) ** 2)
+    got = jax.jit(jax.grad(penalty(layer), argnums=(0, 1, 2)))(*args)
+    plain = lambda x, w, b: reference(x, w, b, "gelu")
+    for g, want, primal in zip(got, jax.grad(penalty(plain), argnums=(0, 1, 2))(x, w, b), args, strict=True):
+        assert_near(g, want)
+        assert jax.typeof(g).sharding.spec == jax.typeof(primal).sharding.spec
 
 
 @pytest.mark.parametrize(

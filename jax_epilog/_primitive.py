@@ -286,7 +286,7 @@ def _map_over_batch(primitive: Primitive, args, dims, **params):
         outs = map_members(lambda *ops: primitive.bind(*ops, **params), moved, batched)
     else:
         inner_params = tuple(sorted(params.items()))
-        outs = members_p.bind(*moved, inner=primitive, inner_params=inner_params, batched=batched)
+        outs = members_p.bind(*moved, inner=primitive, inner_params=inner_params, batched=batched, depth=1)
     return outs, [0] * len(outs)
 
 
@@ -459,68 +459,87 @@ _LAYOUTS = {
 }  # fmt: skip
 
 
-def _member_loop(*operands, inner, inner_params, batched, partitioned=False):
+def _member_loop(*operands, inner, inner_params, batched, depth, partitioned=False):
     """``members_p``: ``inner`` bound once per member of the ``batched`` operands (their
-    first dimension), in a lax.map loop. Over several devices its lowering splits the
-    members as they arrive (then the rows and N, as ``inner``'s layout does), each device
-    looping over its own: vmap over an ensemble's weights, whose loop XLA would otherwise
-    gather onto every device."""
+    first ``depth`` dimensions), in a lax.map loop. Over several devices its lowering
+    splits the members as they arrive (then the rows and N, as ``inner``'s layout does),
+    each device looping over its own: vmap over an ensemble's weights, whose loop XLA
+    would otherwise gather onto every device."""
     del partitioned
-    return member_loop(lambda *ops: inner.bind(*ops, **dict(inner_params)), operands, batched)
+    return member_loop(lambda *ops: inner.bind(*ops, **dict(inner_params)), operands, batched, depth)
 
 
-def _one_member(avals, batched):
-    return [shaped_like(a, a.shape[1:], a.dtype) if b else a for a, b in zip(avals, batched)]
+def _one_member(avals, batched, depth):
+    return [shaped_like(a, a.shape[depth:], a.dtype) if b else a for a, b in zip(avals, batched)]
 
 
-def _members_abstract_eval(*avals, inner, inner_params, batched, partitioned=False):
+def _members_abstract_eval(*avals, inner, inner_params, batched, depth, partitioned=False):
     del partitioned
-    size = next(a.shape[0] for a, b in zip(avals, batched) if b)
-    outs, _ = inner.abstract_eval(*_one_member(avals, batched), **dict(inner_params))
-    return [shaped_like(o, (size, *o.shape), o.dtype) for o in outs]
+    lead = next(a.shape[:depth] for a, b in zip(avals, batched) if b)
+    outs, _ = inner.abstract_eval(*_one_member(avals, batched, depth), **dict(inner_params))
+    return [shaped_like(o, (*lead, *o.shape), o.dtype) for o in outs]
 
 
-def _members_layout(avals, *, inner, inner_params, batched) -> Layout:
-    return _LAYOUTS[inner](_one_member(avals, batched), **dict(inner_params)).over_members(batched)
+def _members_layout(avals, *, inner, inner_params, batched, depth) -> Layout:
+    one = _one_member(avals, batched, depth)
+    return _LAYOUTS[inner](one, **dict(inner_params)).over_members(batched, depth)
 
 
-def _members_jvp(primals, tangents, *, inner, inner_params, batched, partitioned=False):
+def _members_jvp(primals, tangents, *, inner, inner_params, batched, depth, partitioned=False):
     """The members' values from ``members_p`` (split as they are), their tangents from
     ``inner``'s own rule batched over the members (XLA's ops, which XLA splits itself)."""
     del partitioned
     tangents = [ad.instantiate_zeros(t) for t in tangents]
     axes = [0 if b else None for b in batched]
     one = functools.partial(_TANGENTS[inner], **dict(inner_params))
-    out_tangents = jax.vmap(one, in_axes=(axes, axes))(list(primals), tangents)
-    outs = members_p.bind(*primals, inner=inner, inner_params=inner_params, batched=batched)
+    for _ in range(depth):
+        one = jax.vmap(one, in_axes=(axes, axes))
+    out_tangents = one(list(primals), tangents)
+    outs = members_p.bind(*primals, inner=inner, inner_params=inner_params, batched=batched, depth=depth)
     return outs, out_tangents
 
 
-def _members_batch(args, dims, *, inner, inner_params, batched, partitioned=False):
-    """A vmap of an ensemble. A new axis on the operands that hold ``inner``'s rows only,
-    all shared by the members (x beside the members' weights), folds into those rows:
-    one ``members_p`` call, split as before. Any other is a loop around the members'
-    (XLA gathers the inner members' split there)."""
+def _members_batch(args, dims, *, inner, inner_params, batched, depth, partitioned=False):
+    """A vmap of an ensemble. A new axis on the operands that hold ``inner``'s rows only
+    (whether members' or shared) folds into those rows, where no result sums over them:
+    one ``members_p`` call, split as before (a per-example model over an ensemble). Any
+    other becomes an outer member dimension (an ensemble of ensembles), the operands it
+    or the members leave out broadcast along it: each stays split as it arrives."""
     del partitioned
-    params = {"inner": inner, "inner_params": inner_params, "batched": batched}
-    outer = [d is not None for d in dims]
-    unbatched = [np.delete(a.shape, [d] if o else []) for a, d, o in zip(args, dims, outer)]
-    # The inner primitive's operands, for its layout: without the new axis, then the members'.
-    one = _one_member([jax.core.ShapedArray(tuple(s), a.dtype) for s, a in zip(unbatched, args)], batched)
+    params = {"inner": inner, "inner_params": inner_params}
+    unmapped = [
+        jax.core.ShapedArray(np.delete(a.shape, [d] if d is not None else []), a.dtype)
+        for a, d in zip(args, dims)
+    ]
+    one = _one_member(unmapped, batched, depth)
     layout = _LAYOUTS[inner](one, **dict(inner_params))
-    results = len(inner.abstract_eval(*one, **dict(inner_params))[0])
-    rows = layout.rows[0]
-    if (
-        not layout.summed
-        and len(layout.rows[1]) == results
-        and all(o == (i in rows) and not (o and batched[i]) for i, o in enumerate(outer))
-    ):
-        moved = [jnp.moveaxis(a, d, 0) if d is not None else a for a, d in zip(args, dims)]
-        size, per = moved[rows[0]].shape[:2]
-        folded = [a.reshape(size * per, *a.shape[2:]) if o else a for a, o in zip(moved, outer)]
-        outs = members_p.bind(*folded, **params)  # (members, size * per, ...)
-        return [o.reshape(o.shape[0], size, per, *o.shape[2:]) for o in outs], [1] * len(outs)
-    outs = jax.vmap(functools.partial(_member_loop, **params), in_axes=tuple(dims))(*args)
+    rows, results = layout.rows[0], len(inner.abstract_eval(*one, **dict(inner_params))[0])
+    new_rows_only = all((d is not None) == (i in rows) for i, d in enumerate(dims))
+    if new_rows_only and not layout.summed and len(layout.rows[1]) == results:
+        size, per = args[rows[0]].shape[dims[rows[0]]], one[rows[0]].shape[0]
+        folded = []
+        for a, d, b in zip(args, dims, batched):
+            if d is not None:  # the new axis just before the rows (after any member dimensions), merged
+                at = depth if b else 0
+                a = jnp.moveaxis(a, d, at)
+                a = a.reshape(*a.shape[:at], size * per, *a.shape[at + 2 :])
+            folded.append(a)
+        outs = members_p.bind(*folded, **params, batched=batched, depth=depth)  # (*members, size * per, ...)
+        outs = [o.reshape(*o.shape[:depth], size, per, *o.shape[depth + 1 :]) for o in outs]
+        return outs, [depth] * len(outs)
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    lead = next(a.shape[:depth] for a, b in zip(unmapped, batched) if b)
+    deeper = []
+    for a, d, b in zip(args, dims, batched):
+        if d is not None:
+            a = jnp.moveaxis(a, d, 0)
+            if not b:  # the same for every member
+                a = jnp.broadcast_to(jnp.expand_dims(a, tuple(range(1, depth + 1))), (size, *lead, *a.shape[1:]))
+        elif b:  # the same for every outer member
+            a = jnp.broadcast_to(a, (size, *a.shape))
+        deeper.append(a)
+    batched = tuple(b or d is not None for b, d in zip(batched, dims))
+    outs = members_p.bind(*deeper, **params, batched=batched, depth=depth + 1)
     return outs, [0] * len(outs)
 
 

@@ -15,9 +15,9 @@ onto every device and run the whole GEMM on each. So each primitive's lowering g
 - everything else (K, and N where it cannot split) is gathered whole onto each device.
 
 An ensemble (``vmap`` over weights) runs the primitive once per member, in a loop whose
-lowering splits the members as the weights arrive (``Layout.over_members``: a leading
-member dimension, "e" in the rule), then each member's rows and N as above: each device
-loops over its own members' blocks.
+lowering splits the members as the weights arrive (``Layout.over_members``: leading
+member dimensions, "e0" (and "e1" for an ensemble of ensembles) in the rule), then each
+member's rows and N as above: each device loops over its own members' blocks.
 
 Each device runs the primitive on its own block, and results that sum over the rows (the
 kernel and bias gradients) are summed over the devices that split them (``psum``). That
@@ -74,8 +74,8 @@ class Layout(NamedTuple):
     never, an aux with padding). ``rule``: the Shardy rule, in custom_partitioning's
     einsum-like notation with "m" for the rows and "n" (or a compound factor over it, sized
     by ``factor_sizes``) for N; factors ``whole`` never split. ``members``: operands with
-    a leading member dimension ("e" in the rule; ``over_members``), every result then has
-    one too, and the dimensions above sit one further along.
+    ``depth`` leading member dimensions ("e0", "e1", ... in the rule; ``over_members``),
+    every result then has them too, and the dimensions above sit ``depth`` further along.
     """
 
     rows: tuple[tuple[int, ...], tuple[int, ...]]
@@ -86,25 +86,28 @@ class Layout(NamedTuple):
     factor_sizes: tuple[tuple[str, int], ...] = ()
     packed: tuple[tuple[int, int], ...] = ()
     members: tuple[int, ...] = ()
+    depth: int = 0
 
-    def over_members(self, batched) -> Layout:
+    def over_members(self, batched, depth: int = 1) -> Layout:
         """This layout for the primitive run once per member of an ensemble: the
-        ``batched`` operands, and every result, stacked along a new first dimension."""
+        ``batched`` operands, and every result, stacked along ``depth`` new leading
+        dimensions (an ensemble of ensembles has two)."""
+        lead = " ".join(f"e{level}" for level in range(depth))
         operands, results = (side.split(",") for side in self.rule.split("->"))
-        operands = [f"e {o.strip()}" if b else o.strip() for o, b in zip(operands, batched, strict=True)]
-        rule = f"{', '.join(operands)} -> {', '.join('e ' + r.strip() for r in results)}"
-        return self._replace(rule=rule, members=tuple(i for i, b in enumerate(batched) if b))
+        operands = [f"{lead} {o.strip()}" if b else o.strip() for o, b in zip(operands, batched, strict=True)]
+        rule = f"{', '.join(operands)} -> {', '.join(f'{lead} {r.strip()}' for r in results)}"
+        return self._replace(rule=rule, members=tuple(i for i, b in enumerate(batched) if b), depth=depth)
 
 
 class Split(NamedTuple):
     """The mesh axes that split M and N for one call (() where whole), the results in
     ``Layout.cols`` that stay whole along N (the operands' N is then gathered: each device
-    computes every column and keeps its own), and the axes that split the members."""
+    computes every column and keeps its own), and those that split each member dimension."""
 
     rows: tuple[str, ...]
     cols: tuple[str, ...]
     whole: tuple[int, ...] = ()
-    members: tuple[str, ...] = ()
+    members: tuple[tuple[str, ...], ...] = ()
 
 
 def partitioned_lowering(primitive, direct, layout_of):
@@ -199,24 +202,28 @@ def _decoded(mesh, shapes) -> list:
 
 
 def _split(layout: Layout, mesh, shapes, shardings) -> Split:
-    """The mesh axes that split the members (as the first batched operand whose members
-    are split has them, if they divide them: the others are resharded to match); those
-    that split the first row operand's rows, if they leave the members' alone and divide
-    M (likewise); those that split N in the deciding operand, if they leave both alone
-    and divide N; the packed results that cannot split."""
+    """The mesh axes that split each member dimension (as the first batched operand whose
+    dimension is split has them, if they divide it and leave the outer ones' alone: the
+    others are resharded to match); those that split the first row operand's rows, if they
+    leave the members' alone and divide M (likewise); those that split N in the deciding
+    operand, if they leave both alone and divide N; the packed results that cannot split."""
 
     def axes(i: int, dim: int, taken: tuple[str, ...]) -> tuple[str, ...]:
         found = _axes(shardings[i], dim) if isinstance(shardings[i], NamedSharding) else ()
         return () if set(found) & set(taken) or shapes[i][dim] % _size(mesh, found) else found
 
-    members = next((found for i in layout.members if (found := axes(i, 0, ()))), ())
+    members, taken = [], ()
+    for level in range(layout.depth):
+        members.append(next((found for i in layout.members if (found := axes(i, level, taken))), ()))
+        taken += members[-1]
+    members = tuple(members)
     first = layout.rows[0][0]
-    rows = axes(first, _offset(layout, 0, first), members)
+    rows = axes(first, _offset(layout, 0, first), taken)
     if not layout.cols[0]:
         return Split(rows, (), members=members)
     i, dim = next(iter(layout.cols[0].items()))
     dim += _offset(layout, 0, i)
-    cols = axes(i, dim, members + rows)
+    cols = axes(i, dim, taken + rows)
     if not cols:
         return Split(rows, (), members=members)
     share = shapes[i][dim] // _size(mesh, cols)
@@ -224,8 +231,8 @@ def _split(layout: Layout, mesh, shapes, shardings) -> Split:
 
 
 def _offset(layout: Layout, side: int, i: int) -> int:
-    """1 where operand (side 0) or result (side 1) ``i`` leads with a member dimension."""
-    return int(bool(layout.members) and (side == 1 or i in layout.members))
+    """How many member dimensions operand (side 0) or result (side 1) ``i`` leads with."""
+    return layout.depth if side == 1 or i in layout.members else 0
 
 
 def _own_columns(result, dim: int, share: int, split: Split):
@@ -252,8 +259,9 @@ def _dims(layout: Layout, side: int, i: int, split: Split) -> dict[int, tuple[st
     """{dimension: mesh axes} of operand (side 0) or result (side 1) ``i`` under ``split``."""
     dims = {}
     offset = _offset(layout, side, i)
-    if offset and split.members:
-        dims[0] = split.members
+    for level, axes in enumerate(split.members[:offset]):
+        if axes:
+            dims[level] = axes
     if i in layout.rows[side] and split.rows:
         dims[offset] = split.rows
     # A result that stays whole along N has every device compute every column.
@@ -384,12 +392,16 @@ def fold_rows(x, count: int, order_of=None):
     return folded, unfold
 
 
-def member_loop(fn, operands, batched) -> list:
-    """``lax.map(fn)`` over the members (the first dimension) of the ``batched`` operands,
-    the others shared by every member; a list of stacked results."""
-    size = next(o.shape[0] for o, b in zip(operands, batched) if b)
-    stacked = [o if b else jnp.broadcast_to(o, (size, *o.shape)) for o, b in zip(operands, batched)]
-    return list(jax.lax.map(lambda members: fn(*members), stacked))
+def member_loop(fn, operands, batched, depth: int = 1) -> list:
+    """``lax.map(fn)`` over the members (the first ``depth`` dimensions) of the ``batched``
+    operands, the others shared by every member; a list of stacked results."""
+    lead = next(o.shape[:depth] for o, b in zip(operands, batched) if b)
+    size = math.prod(lead)
+    stacked = [
+        o.reshape(size, *o.shape[depth:]) if b else jnp.broadcast_to(o, (size, *o.shape))
+        for o, b in zip(operands, batched)
+    ]
+    return [o.reshape(*lead, *o.shape[1:]) for o in jax.lax.map(lambda members: fn(*members), stacked)]
 
 
 def explicitly_typed(values) -> bool:

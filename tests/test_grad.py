@@ -340,6 +340,33 @@ def test_grad_of_vmapped_ensemble(rng):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=2e-4, atol=2e-5)
 
 
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+@pytest.mark.parametrize("inner_axes", [(None, 0, 0), (0, 0, 0)], ids=["x-shared", "x-per-member"])
+@pytest.mark.parametrize(
+    "outer_axes", [(0, None, None), (None, 0, None), (None, None, 0), (0, 0, 0), (1, 1, None)], ids=str
+)
+def test_vmap_of_an_ensemble_over_any_operand_matches_plain_math(rng, outer_axes, inner_axes, activation):
+    """A vmap around an ensemble (members_p), over any of its operands: the examples fold
+    into the rows, or the new axis becomes an outer member dimension (broadcasting the
+    operands it leaves out); values and gradients in float64, ReLU's and GELU's."""
+    outer, members, m, k, n = 2, 3, 5, 7, 9
+    inner_shapes = [(members,) * (a == 0) + s for a, s in zip(inner_axes, ((m, k), (k, n), (n,)))]
+    shapes = [s if a is None else s[:a] + (outer,) + s[a:] for a, s in zip(outer_axes, inner_shapes)]
+    x, w, b = (rng.standard_normal(s) for s in shapes)
+
+    def nested(layer):
+        return jax.vmap(jax.vmap(layer, in_axes=inner_axes), in_axes=outer_axes)
+
+    loss = lambda layer: lambda *a: jnp.sum(jnp.sin(nested(layer)(*a)))
+    fused = lambda x, w, b: fused_dense(x, w, b, activation=activation)
+    plain = lambda x, w, b: act_fn(activation)(x @ w + b)
+    np.testing.assert_allclose(nested(fused)(x, w, b), nested(plain)(x, w, b), rtol=1e-12, atol=1e-12)
+    got = jax.jit(jax.grad(loss(fused), argnums=(0, 1, 2)))(x, w, b)
+    for g, r in zip(got, jax.grad(loss(plain), argnums=(0, 1, 2))(x, w, b), strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-12, atol=1e-12)
+    assert "jax_epilog_members" in str(jax.make_jaxpr(nested(fused))(x, w, b))
+
+
 def test_forward_mode_is_refused_clearly(rng):
     x, w, b = (jnp.asarray(a) for a in make_inputs(rng, (3, 5), 7, "float32"))
     with pytest.raises(TypeError, match="forward-mode"):

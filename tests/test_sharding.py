@@ -589,8 +589,8 @@ def test_ensemble_of_fused_mlps_keeps_members_split(rng, partitioner):
 def test_ensemble_differentiates_again_and_nests(rng, partitioner):
     """A gradient penalty's gradient of an ensemble keeps its members split (members_p
     for the values, XLA's ops for the tangents), with no collective; a vmap of an
-    ensemble whose outer axis is split keeps it split. (One whose split axis is the inner
-    one gathers it: README.)"""
+    ensemble of ensembles keeps whichever of its member axes is split (an outer member
+    dimension; before, a split inner axis was gathered), forward and backward."""
     m4 = mesh((4,), ("data",))
     x, w, b = ensemble(rng, 8)
     layer = jax.vmap(functools.partial(fused_dense, activation="gelu"))
@@ -602,26 +602,45 @@ def test_ensemble_differentiates_again_and_nests(rng, partitioner):
         assert_near(g, want)
         assert g.sharding.spec[0] == "data"
     assert collectives(grad.lower(*args).compile().as_text()) == NO_COLLECTIVES
-    nested = [a.reshape(4, 2, *a.shape[1:]) for a in (x, w, b)]
-    f = jax.jit(jax.vmap(layer))
-    args = [put(m4, a, "data") for a in nested]
-    assert_near(f(*args), jax.vmap(plain_ensemble("gelu"))(*nested))
-    assert collectives(f.lower(*args).compile().as_text()) == NO_COLLECTIVES
+    plain = lambda f: lambda *a: jnp.sum(f(*a) ** 2)
+    for outer, spec in ((4, ("data",)), (2, (None, "data"))):
+        nested = [a.reshape(outer, 8 // outer, *a.shape[1:]) for a in (x, w, b)]
+        args = [put(m4, a, *spec) for a in nested]
+        f = jax.jit(jax.vmap(layer))
+        y = f(*args)
+        assert_near(y, jax.vmap(plain_ensemble("gelu"))(*nested))
+        assert (*y.sharding.spec, None, None)[:2] == (*spec, None)[:2]
+        assert collectives(f.lower(*args).compile().as_text()) == NO_COLLECTIVES
+        grad = jax.jit(jax.grad(plain(jax.vmap(layer)), argnums=(0, 1, 2)))
+        want = jax.grad(plain(jax.vmap(plain_ensemble("gelu"))), argnums=(0, 1, 2))(*nested)
+        for g, r in zip(grad(*args), want, strict=True):
+            assert_near(g, r)
+        assert collectives(grad.lower(*args).compile().as_text()) == NO_COLLECTIVES
 
 
-def test_per_example_model_over_an_ensemble_folds_examples_into_rows(rng, partitioner):
-    """vmap over examples (x alone) of an ensemble whose members share x: the examples
-    fold into the rows of one members' loop, which keeps the members split (no
-    collective but dx's sum over the members)."""
+@pytest.mark.parametrize("activation", [None, "relu", "gelu"])
+@pytest.mark.parametrize("x_per_member", [False, True], ids=["x-shared", "x-per-member"])
+def test_per_example_model_over_an_ensemble_keeps_the_members_split(rng, activation, x_per_member, partitioner):
+    """vmap over examples (x alone) of an ensemble: the examples fold into the rows of one
+    members' loop, which keeps the members split, whether the members share x or each
+    has its own; the weight gradients, sums over the rows, loop over examples and members
+    (an outer member dimension), also split. No more collectives than XLA's own
+    expression needs (before, x per member, and the weight gradients of GELU and of no
+    activation, gathered every member onto every device)."""
     m4 = mesh((4,), ("data",))
-    x, w, b = rng.standard_normal((5, 10)), rng.standard_normal((8, 10, 16)) / 3, rng.standard_normal((8, 16))
+    e, p, k, n = 8, 5, 10, 16
+    x = rng.standard_normal((p, e, k) if x_per_member else (p, k))
+    w, b = rng.standard_normal((e, k, n)) / 3, rng.standard_normal((e, n))
+    x_axes = 0 if x_per_member else None
 
-    def model(x, w, b):  # one example (K,) through every member: (members, N)
-        return jax.vmap(lambda w, b: fused_dense(x, w, b, activation="relu"))(w, b)
+    def model(x, w, b):  # one example through every member: (members, N)
+        return jax.vmap(lambda x, w, b: fused_dense(x, w, b, activation=activation), in_axes=(x_axes, 0, 0))(x, w, b)
+
+    def plain(x, w, b):
+        return act_fn(activation)(jnp.einsum("pek,ekn->pen" if x_per_member else "pk,ekn->pen", x, w) + b)
 
     f = jax.vmap(model, in_axes=(0, None, None))
-    plain = lambda x, w, b: jax.nn.relu(jnp.einsum("pk,ekn->pen", x, w) + b)
-    args = (put(m4, x), put(m4, w, "data"), put(m4, b, "data"))
+    args = (put(m4, x, *((None, "data") if x_per_member else ())), put(m4, w, "data"), put(m4, b, "data"))
     y = jax.jit(f)(*args)
     assert_near(y, plain(x, w, b))
     assert y.sharding.spec[:2] == (None, "data")
@@ -630,7 +649,10 @@ def test_per_example_model_over_an_ensemble_folds_examples_into_rows(rng, partit
     grad = jax.jit(jax.grad(loss(f), argnums=(0, 1, 2)))
     for g, want in zip(grad(*args), jax.grad(loss(plain), argnums=(0, 1, 2))(x, w, b)):
         assert_near(g, want)
-    assert collectives(grad.lower(*args).compile().as_text()) == {**NO_COLLECTIVES, "all-reduce": 1}
+    plain_grad = jax.jit(jax.grad(loss(plain), argnums=(0, 1, 2)))
+    assert collectives(grad.lower(*args).compile().as_text()) == collectives(
+        plain_grad.lower(*args).compile().as_text()
+    )
 
 
 _PERMUTED_ROWS = """

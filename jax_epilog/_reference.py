@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._epilogs import HALF_DTYPES, Activation, ComputeType, aux_dtype, aux_padded_width
-from ._sharding import explicit_product, like
+from ._sharding import explicit_product, resharded_like
 
 __all__ = [
     "activate",
@@ -223,7 +223,7 @@ def output_grad(
     if activation is Activation.RELU:
         dz = jnp.where(unpack_relu_mask(aux, n), dz, jnp.zeros((), acc))
     elif activation is Activation.GELU:
-        z = like(aux[:, :n].astype(acc), dy)  # (typed as dy: a whole aux beside split columns)
+        z = resharded_like(aux[:, :n].astype(acc), dy)  # (typed as dy: a whole aux beside split columns)
         dz = jax.vjp(lambda z: activate(z, activation), z)[1](dz)[0]
     if dz_extra is not None:
         dz = dz + dz_extra.astype(acc)

@@ -59,7 +59,7 @@ except ImportError:  # a jax without them: custom_partitioning decodes (and may 
 
 __all__ = [
     "Layout", "explicit_product", "explicitly_typed", "fold_rows", "like", "map_members", "member_loop",
-    "needs_transpose", "partitioned_lowering", "shaped_like", "typed", "vary_alike",
+    "needs_transpose", "partitioned_lowering", "resharded_like", "shaped_like", "typed", "vary_alike",
 ]  # fmt: skip
 
 
@@ -342,13 +342,18 @@ def vary_alike(*operands) -> list:
 def like(value, primal):
     """``value`` (a cotangent) given ``primal``'s type: summed over the manual axes it
     differs over and ``primal`` does not (inside ``shard_map``: a kernel the same on every
-    device gets every device's part of its gradient), and resharded where explicit
-    sharding says they differ (e.g. a kernel gradient, whole from a GEMM that gathered a
-    kernel split along N over the rows' axes)."""
+    device gets every device's part of its gradient), then ``resharded_like`` it."""
     extra = varying(jax.typeof(value)) - varying(jax.typeof(primal))
     if extra:
         value = jax.lax.psum(value, tuple(extra))
-    want = getattr(jax.typeof(primal), "sharding", None)
+    return resharded_like(value, primal)
+
+
+def resharded_like(value, other):
+    """``value`` resharded to ``other``'s type where explicit sharding says they differ
+    (e.g. a kernel gradient, whole from a GEMM that gathered a kernel split along N over
+    the rows' axes)."""
+    want = getattr(jax.typeof(other), "sharding", None)
     have = getattr(jax.typeof(value), "sharding", None)
     if not _explicit(want) or not isinstance(have, NamedSharding) or tuple(want.spec) == tuple(have.spec):
         return value

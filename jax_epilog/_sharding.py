@@ -125,13 +125,22 @@ def partitioned_lowering(primitive, direct, layout_of):
     _NEEDS_DEVICES.add(primitive)
 
     def lowering(ctx, *args, partitioned: bool = False, **params):
-        if partitioned:
+        if partitioned or _inside_shard_map(ctx):
             return direct(ctx, *args, **params)
         layout = layout_of(ctx.avals_in, **params)
         fn = _partitioned(primitive, params, layout)
         return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
 
     return lowering
+
+
+def _inside_shard_map(ctx) -> bool:
+    """Whether this lowering is inside ``shard_map`` (some mesh axes manual). Over all of
+    them each device holds its own block, and custom_partitioning would lower directly
+    too; over some, it cannot read the operands' shardings (GSPMD aborted the process),
+    so the primitive lowers directly there too, and XLA gathers its operands over the
+    other axes."""
+    return bool(getattr(ctx.module_context.axis_context, "manual_axes", ()))
 
 
 def _partitioned(primitive, params: dict, layout: Layout):

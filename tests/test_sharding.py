@@ -665,6 +665,30 @@ np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-12, atol=1
 """
 
 
+_PARTLY_MANUAL = """
+two = jax.make_mesh((2, 2), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+x, w, b = rng.standard_normal((16, 10)), rng.standard_normal((10, 12)) / 3, rng.standard_normal(12)
+for activation in (None, "relu", "gelu"):
+    layer = lambda x, w, b: jax_epilog.fused_dense(x, w, b, activation=activation, implementation="cublaslt")
+    f = jax.shard_map(layer, mesh=two, in_specs=(P("a"), P(), P()), out_specs=P("a"), axis_names={"a"})
+    loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))
+    rows = jax.device_put(x, NamedSharding(two, P(("a", "b"))))
+    got = jax.jit(jax.grad(loss(f), argnums=(0, 1, 2)))(rows, w, b)
+    plain = lambda x, w, b: {None: x @ w + b, "relu": jax.nn.relu(x @ w + b),
+                             "gelu": jax.nn.gelu(x @ w + b, approximate=True)}[activation]
+    for g, r in zip(got, jax.grad(loss(plain), argnums=(0, 1, 2))(x, w, b)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-12, atol=1e-12)
+"""
+
+
+@pytest.mark.parametrize("partitioner_name", ["gspmd", "shardy"])
+def test_inside_a_shard_map_over_some_axes_the_primitive_runs_per_block(rng, partitioner_name):
+    """A shard_map manual over "a" of an Auto mesh whose "b" is left to XLA: the
+    primitives lower directly there (custom_partitioning could not read the operands'
+    shardings: GSPMD aborted the process, so this runs in a fresh one)."""
+    run_in_a_fresh_process(4, _PARTLY_MANUAL, partitioner_name, rng)
+
+
 @pytest.mark.parametrize("partitioner_name", ["gspmd", "shardy"])
 def test_rows_split_in_a_permuted_device_order_compile_and_match(rng, partitioner_name):
     """Rows whose blocks a transpose moved between devices arrive split over the mesh's

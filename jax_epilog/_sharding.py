@@ -428,13 +428,11 @@ def map_members(fn, operands, batched):
     the lowering's: ``Layout.over_members``).
 
     Members split over mesh axes stay split: each device maps over its own, inside a
-    ``shard_map`` manual over every axis of the mesh (``vmap`` has split every batched
-    operand's member dimension alike, and no shared operand over those axes). Where an
-    operand is also split over another axis, or the mesh has axes that are neither
-    explicit nor manual, the members are gathered first (``lax.map`` refuses a split
-    axis; the fused primitive's partitioning cannot run inside a partly manual region),
-    each device runs every member, and the results are split over the members' axes
-    again: the type ``vmap`` gives them."""
+    ``shard_map`` manual over those axes (``vmap`` has split every batched operand's
+    member dimension alike, and no shared operand over those axes; the primitives lower
+    directly there). Where an operand is also split over another axis, the members are
+    gathered first (``lax.map`` refuses a split axis), each device runs every member, and
+    the results are split over the members' axes again: the type ``vmap`` gives them."""
 
     def local(*ops):
         return member_loop(fn, ops, batched)
@@ -444,17 +442,14 @@ def map_members(fn, operands, batched):
     axes = _axes(members, 0) if _explicit(members) else ()
     if not axes:
         return local(*operands)
-    types = dict(zip(members.mesh.axis_names, members.mesh.axis_types))
-    free = {name for name, kind in types.items() if kind != jax.sharding.AxisType.Manual}
     used = {ax for s in shardings if _explicit(s) for d in range(len(s.spec)) for ax in _axes(s, d)}
-    if used - set(axes) or any(types[name] != jax.sharding.AxisType.Explicit for name in free):
+    if used - set(axes):
         outs = local(*(_reshard_first(o, None) if b else o for o, b in zip(operands, batched)))
         return [_reshard_first(o, axes) for o in outs]  # typed as vmap expects: members split
     spec = PartitionSpec(axes)
     in_specs = tuple(spec if b else PartitionSpec() for b in batched)
-    return jax.shard_map(local, mesh=members.mesh, in_specs=in_specs, out_specs=spec, axis_names=free)(
-        *operands
-    )
+    mapped = jax.shard_map(local, mesh=members.mesh, in_specs=in_specs, out_specs=spec, axis_names=set(axes))
+    return mapped(*operands)
 
 
 def _reshard_first(x, axes):

@@ -851,9 +851,9 @@ def test_explicit_sharding_ensemble_differentiates_again(rng):
 )
 def test_explicit_sharding_ensemble_on_a_two_axis_mesh(rng, specs, kept, partitioner):
     """On a 2x2 mesh the members stay split where no operand is split over another axis
-    (a shard_map manual over every axis, no collective); else they are gathered for the
-    loop (the primitive's partitioning cannot run in a partly manual region) and split
-    again after. Values, types and gradients as the expression's either way."""
+    (a shard_map manual over the members' axes, no collective); else they are gathered
+    for the loop (lax.map refuses a split axis) and split again after. Values, types and
+    gradients as the expression's either way."""
     m = mesh((2, 2), ("a", "b"), AxisType.Explicit)
     x, w, b = rng.standard_normal((8, 6, 10)), rng.standard_normal((8, 10, 8)) / 3, rng.standard_normal((8, 8))
     args = [put(m, a, *spec) for a, spec in zip((x, w, b), specs)]
@@ -868,6 +868,45 @@ def test_explicit_sharding_ensemble_on_a_two_axis_mesh(rng, specs, kept, partiti
     loss = lambda f: lambda *a: jnp.sum(f(*a) ** 2)
     got = jax.jit(jax.grad(loss(layer), argnums=(0, 1, 2)))(*args)
     for g, want, primal in zip(got, jax.grad(loss(plain), argnums=(0, 1, 2))(x, w, b), args):
+        assert_near(g, want)
+        assert jax.typeof(g).sharding.spec == jax.typeof(primal).sharding.spec
+
+
+def test_explicit_sharding_ensemble_beside_an_auto_axis_keeps_members_split(rng):
+    """Members split over the explicit axis of a mesh whose other axis is Auto: each
+    device loops over its own (a shard_map manual over that axis; before, the members
+    were gathered), no collective, values and gradients as the expression's."""
+    m = jax.make_mesh((2, 2), ("a", "b"), axis_types=(AxisType.Explicit, AxisType.Auto), devices=CPUS[:4])
+    x, w, b = rng.standard_normal((4, 6, 10)), rng.standard_normal((4, 10, 12)) / 3, rng.standard_normal((4, 12))
+    args = [put(m, a, "a") for a in (x, w, b)]
+    layer = jax.vmap(functools.partial(fused_dense, activation="gelu"))
+    plain = lambda x, w, b: act_fn("gelu")(jnp.einsum("emk,ekn->emn", x, w) + b[:, None])
+    loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))
+    grad = jax.jit(jax.grad(loss(layer), argnums=(0, 1, 2)))
+    assert_near(jax.jit(layer)(*args), plain(x, w, b))
+    for g, want in zip(grad(*args), jax.grad(loss(plain), argnums=(0, 1, 2))(x, w, b), strict=True):
+        assert_near(g, want)
+    for f in (jax.jit(layer), grad):
+        assert collectives(f.lower(*args).compile().as_text()) == NO_COLLECTIVES
+
+
+def test_explicit_sharding_ensemble_of_ensembles_split_over_both_axes(rng):
+    """vmap of an ensemble whose two member axes are split over both axes of an explicit
+    mesh: values, gradients and types as the expression's (before, the inner shard_map
+    named an axis the outer vmap had taken, and jax refused it; the members are gathered
+    for the inner loop: README)."""
+    m = mesh((2, 2), ("a", "b"), AxisType.Explicit)
+    x, w, b = rng.standard_normal((6, 10)), rng.standard_normal((2, 4, 10, 8)) / 3, rng.standard_normal((2, 4, 8))
+    args = [put(m, x), put(m, w, "a", "b"), put(m, b, "a", "b")]
+    layer = functools.partial(fused_dense, activation="gelu")
+    nested = jax.vmap(jax.vmap(layer, in_axes=(None, 0, 0)), in_axes=(None, 0, 0))
+    plain = lambda x, w, b: act_fn("gelu")(jnp.einsum("mk,fekn->femn", x, w) + b[:, :, None])
+    y = jax.jit(nested)(*args)
+    assert_near(y, plain(x, w, b))
+    assert jax.typeof(y).sharding.spec[:2] == ("a", "b")
+    loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))
+    got = jax.jit(jax.grad(loss(nested), argnums=(0, 1, 2)))(*args)
+    for g, want, primal in zip(got, jax.grad(loss(plain), argnums=(0, 1, 2))(x, w, b), args, strict=True):
         assert_near(g, want)
         assert jax.typeof(g).sharding.spec == jax.typeof(primal).sharding.spec
 

@@ -487,6 +487,31 @@ def test_explicit_sharding_ensemble_runs_the_fused_path_per_member(rng):
     assert all(jax.typeof(g).sharding.spec[0] == "data" for g in grads)
 
 
+def test_inside_shard_map_the_fused_path_runs_and_differentiates(rng):
+    """A shard_map over a mesh of one GPU: the primitives lower directly to our custom
+    calls (the forward and BGRADA), typed as varying over the manual axis, and the weight
+    gradients (summed over that axis) match the oracle's."""
+    from jax.sharding import AxisType
+    from jax.sharding import PartitionSpec as P
+
+    from jax_epilog._ffi import TARGET_NAME
+
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices()[:1])
+    x, w, b = _inputs(rng, 48, 40, 72, "bfloat16")
+    layer = jax.shard_map(
+        lambda x, w, b: fused_dense(x, w, b, activation="gelu"),
+        mesh=mesh, in_specs=(P("data"), P(), P()), out_specs=P("data"),
+    )  # fmt: skip
+    loss = lambda *a: jnp.sum(layer(*a).astype(jnp.float32))
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    assert grad.lower(x, w, b).as_text().count(f"@{TARGET_NAME}(") == 2  # the forward and BGRADA
+    _assert_close(jax.jit(layer)(x, w, b), _oracle(x, w, b, "gelu")[0], TOL["bfloat16"])
+    plain = lambda x, w, b: jnp.sum(jax.nn.gelu(x @ w + b, approximate=True))
+    f32 = [a.astype(jnp.float32) for a in (x, w, b)]
+    for g, want in zip(grad(x, w, b), jax.grad(plain, argnums=(0, 1, 2))(*f32), strict=True):
+        _assert_close(g, want, TOL["bfloat16"])
+
+
 def test_ensemble_runs_the_fused_path_per_member(rng):
     """vmap over the weights without explicit sharding (members_p's loop): forward and
     backward run our custom calls once per member, with the oracle's numbers."""

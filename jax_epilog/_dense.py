@@ -183,9 +183,9 @@ def fused_dense(
     Raises TypeError/ValueError at trace time for anything else it cannot compute.
 
     Differentiation: reverse mode (``jax.grad``, ``jax.vjp``) in ``x``, ``kernel`` and
-    ``bias``, each gradient in its primal's dtype. With ``"cublaslt"`` the forward saves only ``x``, ``kernel``
-    and the aux (one bit per output for ReLU); the backward forms ``dz = dy * act'(z)``
-    from it (ReLU's derivative at ``z == 0`` is 0, as for ``jax.nn.relu``), and
+    ``bias``, each gradient in its primal's dtype. With ``"cublaslt"`` the forward saves
+    only ``x``, ``kernel``, the bias (for its type) and the aux (one bit per output for
+    ReLU); the backward forms ``dz = dy * act'(z)`` from it (ReLU's derivative at ``z == 0`` is 0, as for ``jax.nn.relu``), and
     ``dx = dz @ kernel.T`` is XLA's GEMM. With a bias and GELU or no activation, the kernel
     and bias gradients come from one cuBLASLt GEMM whose epilog reduces dz (BGRADA); with
     ReLU from XLA's GEMM and a reduction of its own, which XLA fuses with forming dz from

@@ -6,7 +6,9 @@ pointer, one attribute (``_key``), then ``XLA_FFI_Stream_Get``. Everything else 
 problem is decoded once per distinct ``_key`` (usually at lowering) and cached.
 
 The handler declares the command-buffer trait, so XLA may capture it into a CUDA graph:
-it launches exactly one ``cublasLtMatmul`` per call and never synchronises or allocates
+it launches exactly one ``cublasLtMatmul`` per call (outside capture, where a call repeats
+with the same buffers, a replayed graph of that one GEMM: ``_nvmath.Plan.run``) and never
+synchronises or allocates
 (except when planning a problem it has not seen; see ``_nvmath._relaxed_capture``).
 
 Every exception is caught and returned to XLA as an FFI error: a ctypes callback that

@@ -14,7 +14,8 @@ Over several devices every lowering first splits the primitive by rows, and by N
 can (``_sharding``; each primitive's ``Layout`` says where its M and N are). Each
 primitive differentiates through its reference math (for derivatives of a gradient).
 Batched weights (an ensemble) run one call per member, in the loop ``members_p`` lowers
-to, which splits the members over the devices that hold them.
+to, which splits the members over the devices that hold them (under explicit sharding,
+``_sharding.map_members``'s loop instead).
 """
 
 from __future__ import annotations
@@ -534,7 +535,8 @@ def _members_batch(args, dims, *, inner, inner_params, batched, depth, partition
         if d is not None:
             a = jnp.moveaxis(a, d, 0)
             if not b:  # the same for every member
-                a = jnp.broadcast_to(jnp.expand_dims(a, tuple(range(1, depth + 1))), (size, *lead, *a.shape[1:]))
+                a = jnp.expand_dims(a, tuple(range(1, depth + 1)))
+                a = jnp.broadcast_to(a, (size, *lead, *a.shape[depth + 1 :]))
         elif b:  # the same for every outer member
             a = jnp.broadcast_to(a, (size, *a.shape))
         deeper.append(a)

@@ -31,8 +31,10 @@ holds its own block), the primitive lowers directly: custom_partitioning adds no
 Under explicit sharding an array's type names its sharding: ``typed`` gives the
 primitives' results the types this rule makes, ``like`` gives each gradient its
 primal's type, ``fold_rows`` folds leading dimensions into the rows in an order such a
-type allows, and ``map_members`` keeps an ensemble's members split over the devices that
-hold them (its loop is then a ``shard_map``'s, as the types must say so at trace time).
+type allows, and ``map_members`` runs an ensemble's loop in place of ``members_p``: in a
+``shard_map`` over the members' axes, which keeps them split (the types must say so at
+trace time), unless an operand is also split over another axis (then they are gathered
+for the loop and split again after).
 """
 
 from __future__ import annotations

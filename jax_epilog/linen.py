@@ -11,7 +11,7 @@ It is a drop-in for ``nn.Dense``:
 
 * the same fields, defaults and field order as ``nn.Dense`` (``features``, ``use_bias``,
   ``dtype``, ``param_dtype``, ``precision``, ``kernel_init``, ``bias_init``,
-  ``promote_dtype``), then ``activation`` and ``compute_type``;
+  ``promote_dtype``), then ``activation``, ``compute_type`` and ``implementation``;
 * the same parameters: ``"kernel"`` of shape (in, out) and ``"bias"`` of shape (out,), in
   ``param_dtype``, drawn with the same initializers in the same order, so with the same
   RNG key and the same module path ``init`` gives bit-identical parameters, and

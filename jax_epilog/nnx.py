@@ -10,7 +10,7 @@ It is a drop-in for ``nnx.Linear``:
 
 * the same constructor (``in_features, out_features, *, use_bias, dtype, param_dtype,
   precision, kernel_init, bias_init, promote_dtype, rngs, kernel_metadata, bias_metadata``),
-  plus keyword-only ``activation`` and ``compute_type``;
+  plus keyword-only ``activation``, ``compute_type`` and ``implementation``;
 * the same state: ``kernel`` (in, out) and ``bias`` (out,) as ``nnx.Param`` (``bias`` is
   ``None`` without a bias), drawn from ``rngs.params()`` in the same order with the same
   default initializers, so the same ``Rngs`` seed gives bit-identical parameters and

@@ -264,6 +264,7 @@ def run_in_a_fresh_process(devices: int, script: str, partitioner_name: str, rng
     preamble = f"""
 import os, sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count={devices}"
+os.environ["JAX_PLATFORMS"] = "cpu"  # (on a GPU machine too: the rule on CPU devices)
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 jax.config.update("jax_use_shardy_partitioner", sys.argv[1] == "shardy")

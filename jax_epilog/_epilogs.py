@@ -147,6 +147,12 @@ class EpilogSpec(NamedTuple):
       previous GELU layer's pre-activation in that layer's forward aux layout (row-major
       (m, round_up(k, 8)), D's dtype). Epilog ``"DGELU"``: it turns this layer's dz into
       the previous layer's. No bias.
+
+    A forward problem may be batched over ``members`` (an ensemble: ``vmap`` over stacked
+    weights): one strided-batched GEMM whose member ``e`` reads x[e], kernel[e] and
+    bias[e] and writes D[e] and aux[e], each operand's members contiguous, except the
+    operands named in ``shared`` (comma-separated among "x", "kernel", "bias"), which every
+    member reads whole (batch stride 0).
     """
 
     m: int
@@ -158,6 +164,12 @@ class EpilogSpec(NamedTuple):
     bias_dtype: str | None  # None without bias (for "wgrad": the dbias output's dtype)
     d_dtype: str  # dtype of D (and of the GELU aux)
     problem: str = "forward"  # or "wgrad", "dgrad"
+    members: int = 1  # the batch of a "forward" problem
+    shared: str = ""  # operands the members share, e.g. "x" or "kernel,bias"
+
+    def is_shared(self, operand: str) -> bool:
+        """Whether every member reads ``operand`` ("x", "kernel" or "bias") whole."""
+        return operand in self.shared.split(",")
 
     @property
     def has_aux(self) -> bool:

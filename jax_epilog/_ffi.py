@@ -91,12 +91,16 @@ def spec_key(spec: EpilogSpec) -> int:
 def call(operands: tuple[jax.Array, ...], results: list[jax.ShapeDtypeStruct], spec: EpilogSpec):
     """Emit the custom call for ``spec``; returns the list of results.
 
-    Operands and results by position: forward (x, kernel[, bias]) -> (D[, aux]);
+    Operands and results by position: forward (x, kernel[, bias]) -> (D[, aux]), each
+    with a leading members dimension where ``spec.members > 1``, but those ``spec.shared``;
     wgrad (x, dz) -> (D = dkernel[, dbias]); dgrad (dz, kernel, aux) -> (D = dz of the
     previous layer).
     """
     key = spec_key(spec)
     _handler.remember(key, spec)
+    members = {}
+    if spec.members > 1:  # a batched forward (an ensemble's members)
+        members = {"members": np.int64(spec.members), "shared": spec.shared}
     return jax.ffi.ffi_call(TARGET_NAME, results)(
         *operands,
         _key=np.int64(key),
@@ -106,6 +110,7 @@ def call(operands: tuple[jax.Array, ...], results: list[jax.ShapeDtypeStruct], s
         m=np.int64(spec.m),
         n=np.int64(spec.n),
         k=np.int64(spec.k),
+        **members,
     )
 
 
@@ -298,6 +303,7 @@ class _Handler:
                     m=a["m"], n=a["n"], k=a["k"], epilog=a["epilog"],
                     compute_type=a["compute_type"], ab_dtype=ins[0],
                     bias_dtype=bias_dtype, d_dtype=outs[0], problem=problem,
+                    members=a.get("members", 1), shared=a.get("shared", ""),
                 )  # fmt: skip
                 if spec_key(spec) != key:
                     raise RuntimeError(f"decoded problem {spec} does not match its key")

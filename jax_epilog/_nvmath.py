@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 import threading
 from typing import Any
@@ -162,6 +163,14 @@ def _handle(device_id: int) -> int:
     return _handles[device_id]
 
 
+def _members(spec: EpilogSpec, operand: str, shape, strides, dtype: str):
+    """A forward operand's planning view (shape, dtype, element strides): its members'
+    matrices one after another, or, shared by the members or without any, one matrix."""
+    if spec.members == 1 or spec.is_shared(operand):
+        return shape, dtype, strides
+    return (spec.members, *shape), dtype, (math.prod(shape), *strides)
+
+
 class _Views:
     """Operands for planning: correctly shaped and strided views of one small allocation.
 
@@ -237,6 +246,8 @@ class Plan:
         m, n, k = spec.m, spec.n, spec.k
         views = _Views(device_id, alignment)
         c = None
+        if spec.members > 1 and spec.problem != "forward":
+            raise PlanningError(f"only forward problems batch over members: {spec}")
         if spec.problem == "wgrad":
             # Column-major D[n, k] = A[n, m] @ op(B) with A = dz (row-major (m, n)) and
             # op(B) = x (row-major (m, k), which nvmath passes as a row-ordered layout).
@@ -255,18 +266,24 @@ class Plan:
             epilog_inputs = {"gelu_aux": views.view((width, m), spec.d_dtype, (1, width))}
         else:
             # Column-major D[n, m] = A[n, k] @ B[k, m]: A is the row-major (k, n) kernel,
-            # B the row-major (m, k) x, D the row-major (m, n) output.
-            a = views.view((n, k), spec.ab_dtype, (1, n))
-            b = views.view((k, m), spec.ab_dtype, (1, k))
+            # B the row-major (m, k) x, D the row-major (m, n) output. Members (a batch)
+            # lead, each a contiguous block; a shared operand keeps its 2-D view, which
+            # nvmath broadcasts (batch stride 0).
+            a = views.view(*_members(spec, "kernel", (n, k), (1, n), spec.ab_dtype))
+            b = views.view(*_members(spec, "x", (k, m), (1, k), spec.ab_dtype))
             if spec.d_dtype != spec.ab_dtype:  # float32 epilog for half operands
-                c = views.view((n, m), spec.d_dtype, (1, n))
+                c = views.view(*_members(spec, "d", (n, m), (1, n), spec.d_dtype))
         options = MatmulOptions(
             compute_type=MatmulComputeType[spec.compute_type], handle=_handle(device_id)
         )
         if spec.problem != "dgrad":
             epilog_inputs = None
         if spec.bias_dtype is not None and spec.problem == "forward":
-            epilog_inputs = {"bias": views.view((n,), spec.bias_dtype, (1,))}
+            # A bias of several members is (members, n, 1) to nvmath: a column each.
+            bias = (n,), spec.bias_dtype, (1,)
+            if spec.members > 1 and not spec.is_shared("bias"):
+                bias = (spec.members, n, 1), spec.bias_dtype, (n, 1, 1)
+            epilog_inputs = {"bias": views.view(*bias)}
         epilog = None if spec.epilog == "DEFAULT" else MatmulEpilog[spec.epilog]
         with cp.cuda.Device(device_id):  # (restores the thread's device on exit)
             _set_current(device_id)
@@ -361,21 +378,6 @@ class Plan:
             raise PlanningError(f"cuBLASLt found no algorithm for {self.spec}")
         return result[: found[0]]
 
-    def _operand_bytes(self) -> tuple[int, int, int, int, int]:
-        """Bytes of A, B, D, bias and aux for this problem (see EpilogSpec)."""
-        s = self.spec
-        ab, d = _NP_DTYPES[s.ab_dtype].itemsize, _NP_DTYPES[s.d_dtype].itemsize
-        bias = s.n * _NP_DTYPES[s.bias_dtype].itemsize if s.bias_dtype else 0
-        if s.problem == "wgrad":
-            return s.m * s.n * ab, s.m * s.k * ab, s.k * s.n * d, bias, 0
-        if s.problem == "dgrad":
-            return s.k * s.n * ab, s.m * s.n * ab, s.m * s.k * d, 0, s.m * aux_padded_width(Activation.GELU, s.k) * d
-        aux = 0
-        if s.has_aux:  # ReLU: one bit per output, rows padded to 128 bits; GELU: z padded to 8
-            itemsize = 1 if s.activation is Activation.RELU else d
-            aux = s.m * aux_padded_width(s.activation, s.n) * itemsize
-        return s.k * s.n * ab, s.m * s.k * ab, s.m * s.n * d, bias, aux
-
     def _time_candidates(self, heuristic) -> list[float]:
         """GPU µs per call of each candidate algorithm on scratch operands of the real sizes.
 
@@ -384,7 +386,8 @@ class Plan:
         best was often the 5th-7th, so plans made at lowering time time up to 16. Scratch
         memory is freed afterwards; without room for it the heuristic's first choice stands.
         """
-        sizes = [-(-b // 256) * 256 for b in self._operand_bytes()]
+        raw = operand_bytes(self.spec)
+        sizes = [-(-b // 256) * 256 for b in raw]
         ws_size = int(np.max(heuristic["workspace_size"])) + 16
         offsets = np.cumsum([0, *sizes])
         s = self.spec
@@ -392,19 +395,16 @@ class Plan:
             with cp.cuda.Device(self.device_id):
                 scratch = cp.cuda.alloc(sum(sizes) + ws_size)
                 stream = cp.cuda.Stream(non_blocking=True)
+                ab = _NP_DTYPES[s.ab_dtype].itemsize
                 with stream:  # operands like a layer's: x, dz and z ~ N(0, 1), kernel ~ N(0, 1/k)
-                    if s.problem == "forward":
-                        fill_normal(scratch + int(offsets[0]), s.k * s.n, s.ab_dtype, 1 / np.sqrt(s.k))
-                        fill_normal(scratch + int(offsets[1]), s.m * s.k, s.ab_dtype)
-                    elif s.problem == "wgrad":
-                        fill_normal(scratch + int(offsets[0]), s.m * s.n, s.ab_dtype)
-                        fill_normal(scratch + int(offsets[1]), s.m * s.k, s.ab_dtype)
-                    else:  # "dgrad"; its aux (an input) is a GELU input
-                        fill_normal(scratch + int(offsets[0]), s.k * s.n, s.ab_dtype, 1 / np.sqrt(s.k))
-                        fill_normal(scratch + int(offsets[1]), s.m * s.n, s.ab_dtype)
-                        fill_normal(scratch + int(offsets[4]), s.m * aux_padded_width(Activation.GELU, s.k), s.d_dtype)
+                    a_scale = 1 / np.sqrt(s.k) if s.problem != "wgrad" else 1.0  # the kernel, or dz
+                    fill_normal(scratch + int(offsets[0]), raw[0] // ab, s.ab_dtype, a_scale)
+                    fill_normal(scratch + int(offsets[1]), raw[1] // ab, s.ab_dtype)
+                    if s.problem == "dgrad":  # its aux (an input) is a GELU input
+                        fill_normal(scratch + int(offsets[4]), raw[4] // _NP_DTYPES[s.d_dtype].itemsize, s.d_dtype)
                     if s.bias_dtype and s.problem == "forward":
-                        fill_normal(scratch + int(offsets[3]), s.n, s.bias_dtype)
+                        count = raw[3] // _NP_DTYPES[s.bias_dtype].itemsize
+                        fill_normal(scratch + int(offsets[3]), count, s.bias_dtype)
                 stream.synchronize()
         except cp.cuda.memory.OutOfMemoryError:
             return [0.0] + [float("inf")] * (len(heuristic) - 1)
@@ -412,7 +412,7 @@ class Plan:
         a, b, d, bias, aux = (int(o) if size else 0 for o, size in zip(offsets[:5], sizes))
         self._ws_ptr, self._ws_size = int(offsets[5]), ws_size  # one workspace fits them all
         # Roughly 1 µs per 2**29 multiply-adds on the H200; small problems get more runs.
-        runs = int(np.clip(_TUNING_GRAPH_US * 2**29 / max(1, s.m * s.n * s.k), _TUNING_RUNS, 50))
+        runs = int(np.clip(_TUNING_GRAPH_US * 2**29 / max(1, s.members * s.m * s.n * s.k), _TUNING_RUNS, 50))
         pointers = (a, b, bias, d, aux)
 
         def timed(i: int) -> float:
@@ -541,6 +541,23 @@ class Plan:
             self._beta, d, c_layout, d, d_layout, self._algo,
             self._ws_ptr, self._ws_size, stream,
         )  # fmt: skip
+
+
+def operand_bytes(s: EpilogSpec) -> tuple[int, int, int, int, int]:
+    """Bytes of A, B, D, bias and aux for problem ``s`` (see EpilogSpec), all members'."""
+    ab, d = _NP_DTYPES[s.ab_dtype].itemsize, _NP_DTYPES[s.d_dtype].itemsize
+    bias = s.n * _NP_DTYPES[s.bias_dtype].itemsize if s.bias_dtype else 0
+    if s.problem == "wgrad":
+        return s.m * s.n * ab, s.m * s.k * ab, s.k * s.n * d, bias, 0
+    if s.problem == "dgrad":
+        return s.k * s.n * ab, s.m * s.n * ab, s.m * s.k * d, 0, s.m * aux_padded_width(Activation.GELU, s.k) * d
+    aux = 0
+    if s.has_aux:  # ReLU: one bit per output, rows padded to 128 bits; GELU: z padded to 8
+        itemsize = 1 if s.activation is Activation.RELU else d
+        aux = s.m * aux_padded_width(s.activation, s.n) * itemsize
+    counts = [1 if s.is_shared(o) else s.members for o in ("kernel", "x", "d", "bias", "aux")]
+    sizes = (s.k * s.n * ab, s.m * s.k * ab, s.m * s.n * d, bias, aux)
+    return tuple(size * count for size, count in zip(sizes, counts))
 
 
 _plans: dict[tuple[EpilogSpec, int, int], Plan] = {}

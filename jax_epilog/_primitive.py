@@ -13,14 +13,16 @@ outputs in the same aux layout. Falling back on a GPU is announced once with a w
 Over several devices every lowering first splits the primitive by rows, and by N where it
 can (``_sharding``; each primitive's ``Layout`` says where its M and N are). Each
 primitive differentiates through its reference math (for derivatives of a gradient).
-Batched weights (an ensemble) run one call per member, in the loop ``members_p`` lowers
-to, which splits the members over the devices that hold them (under explicit sharding,
+Batched weights (an ensemble) bind ``members_p``, which splits the members over the
+devices that hold them; on each device the forward is one batched cuBLASLt GEMM, the
+gradient primitives one call per member in a loop (under explicit sharding,
 ``_sharding.map_members``'s loop instead).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 
 import jax
@@ -55,7 +57,8 @@ __all__ = ["FastPathWarning", "fused_gelu_input_grad", "fused_matmul", "fused_we
 
 
 class FastPathWarning(RuntimeWarning):
-    """The fused cuBLASLt path could not be used on a GPU; XLA's unfused path ran instead."""
+    """The fused cuBLASLt path could not be used on a GPU; XLA's unfused path ran instead
+    (or, for an ensemble's members, one fused call per member instead of a batched one)."""
 
 
 fused_matmul_p = Primitive("jax_epilog_fused_matmul")
@@ -185,10 +188,8 @@ def spec_of(x_aval, kernel_aval, bias_aval, activation, with_aux, compute_type, 
 
 
 @functools.cache
-def _warn_once(reason: str) -> None:
-    warnings.warn(
-        f"jax_epilog: using XLA's unfused path on the GPU: {reason}", FastPathWarning, stacklevel=2
-    )
+def _warn_once(reason: str, instead: str = "using XLA's unfused path on the GPU") -> None:
+    warnings.warn(f"jax_epilog: {instead}: {reason}", FastPathWarning, stacklevel=2)
 
 
 def _fast_path_refusal(spec: EpilogSpec) -> str | None:
@@ -229,31 +230,32 @@ def _results(avals) -> list[jax.ShapeDtypeStruct]:
     return [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
 
 
-def _cuda_lowering(ctx, x, kernel, *bias, activation, with_aux, compute_type, d_dtype, out_dtype):
-    params = dict(
-        activation=activation,
-        with_aux=with_aux,
-        compute_type=compute_type,
-        d_dtype=d_dtype,
-        out_dtype=out_dtype,
-    )
-    x_aval, k_aval = ctx.avals_in[:2]
-    b_aval = ctx.avals_in[2] if bias else None
-    spec = None
+def _forward_spec(avals, *, activation, with_aux, compute_type, d_dtype, out_dtype) -> EpilogSpec | None:
+    """The cuBLASLt problem of a fused_matmul_p call on ``avals`` (x, kernel[, bias]), or
+    None where XLA computes it (see _lower_fused_or_reference)."""
+    del out_dtype
+    if _symbolic(*avals):
+        return None
+    x_aval, k_aval = avals[:2]
     # One row with a float32 D beside half operands (a float32 bias): cuBLASLt 13.1 plans it,
     # then refuses every launch (CUBLAS_STATUS_INVALID_VALUE, measured on the H200), so XLA
-    # computes it. (Symbolic shapes: _lower_fused_or_reference.)
-    if not _symbolic(*ctx.avals_in):
-        one_row_f32_d = x_aval.shape[0] == 1 and np.dtype(d_dtype) != np.dtype(x_aval.dtype)
-        empty = 0 in (*x_aval.shape, k_aval.shape[1])
-        if np.dtype(x_aval.dtype) != np.float64 and not empty and not one_row_f32_d:
-            spec = spec_of(x_aval, k_aval, b_aval, activation, with_aux, compute_type, d_dtype)
+    # computes it.
+    one_row_f32_d = x_aval.shape[0] == 1 and np.dtype(d_dtype) != np.dtype(x_aval.dtype)
+    empty = 0 in (*x_aval.shape, k_aval.shape[1])
+    if np.dtype(x_aval.dtype) == np.float64 or empty or one_row_f32_d:
+        return None
+    b_aval = avals[2] if len(avals) > 2 else None
+    return spec_of(x_aval, k_aval, b_aval, activation, with_aux, compute_type, d_dtype)
+
+
+def _cuda_lowering(ctx, x, kernel, *bias, **params):
+    spec = _forward_spec(ctx.avals_in, **params)
 
     def fused(x, kernel, *bias):
         # D in the epilog's dtype, then the aux as the primitive returns it.
-        results = [jax.ShapeDtypeStruct((spec.m, spec.n), d_dtype), *_results(ctx.avals_out[1:])]
+        results = [jax.ShapeDtypeStruct((spec.m, spec.n), params["d_dtype"]), *_results(ctx.avals_out[1:])]
         d, *aux = _ffi.call((x, kernel, *bias), results, spec)
-        return [d.astype(out_dtype), *aux]  # a no-op cast unless the epilog ran in float32
+        return [d.astype(params["out_dtype"]), *aux]  # a no-op cast unless the epilog ran in float32
 
     return _lower_fused_or_reference(ctx, (x, kernel, *bias), spec, _reference_lowering, params, fused)
 
@@ -278,16 +280,18 @@ def _batch(args, dims, **params):
 
 
 def _map_over_batch(primitive: Primitive, args, dims, **params):
-    """A batching rule that binds ``primitive`` once per batch member, in a lax.map loop;
-    members split over devices stay split: ``members_p``, or, where types name their
-    sharding, ``_sharding.map_members``."""
+    """A batching rule that binds ``members_p`` over the batch (``primitive`` once per
+    member in a loop; on a GPU the forward as one batched GEMM); members split over
+    devices stay split. Where types name their sharding, ``_sharding.map_members`` binds it
+    in a shard_map over the members' axes (or loops over gathered members)."""
     moved = [a if d is None else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims)]
     batched = tuple(d is not None for d in dims)
+    inner_params = tuple(sorted(params.items()))
+    members = functools.partial(members_p.bind, inner=primitive, inner_params=inner_params, batched=batched, depth=1)
     if explicitly_typed(moved):
-        outs = map_members(lambda *ops: primitive.bind(*ops, **params), moved, batched)
+        outs = map_members(lambda *ops: primitive.bind(*ops, **params), moved, batched, per_device=members)
     else:
-        inner_params = tuple(sorted(params.items()))
-        outs = members_p.bind(*moved, inner=primitive, inner_params=inner_params, batched=batched, depth=1)
+        outs = members(*moved)
     return outs, [0] * len(outs)
 
 
@@ -462,7 +466,8 @@ _LAYOUTS = {
 
 def _member_loop(*operands, inner, inner_params, batched, depth, partitioned=False):
     """``members_p``: ``inner`` bound once per member of the ``batched`` operands (their
-    first ``depth`` dimensions), in a lax.map loop. Over several devices its lowering
+    first ``depth`` dimensions), in a lax.map loop (on a GPU the forward instead lowers
+    to one batched GEMM: ``_members_cuda_lowering``). Over several devices its lowering
     splits the members as they arrive (then the rows and N, as ``inner``'s layout does),
     each device looping over its own: vmap over an ensemble's weights, whose loop XLA
     would otherwise gather onto every device."""
@@ -507,6 +512,15 @@ def _members_batch(args, dims, *, inner, inner_params, batched, depth, partition
     other becomes an outer member dimension (an ensemble of ensembles), the operands it
     or the members leave out broadcast along it: each stays split as it arrives."""
     del partitioned
+    if explicitly_typed(args):
+        # A members_p that map_members bound in its shard_map, under a vmap over explicitly
+        # split operands: a loop (``lax.map`` is batched along another dimension than
+        # the one it maps, which the split types allow), as map_members' own loop would be.
+        def loop(*ops):
+            return member_loop(lambda *o: inner.bind(*o, **dict(inner_params)), ops, batched, depth)
+
+        outs = jax.vmap(loop, in_axes=tuple(dims))(*args)
+        return outs, [0] * len(outs)
     params = {"inner": inner, "inner_params": inner_params}
     unmapped = [
         jax.core.ShapedArray(np.delete(a.shape, [d] if d is not None else []), a.dtype)
@@ -545,6 +559,44 @@ def _members_batch(args, dims, *, inner, inner_params, batched, depth, partition
     return outs, [0] * len(outs)
 
 
+def _members_cuda_lowering(ctx, *operands, inner, inner_params, batched, depth, partitioned=False):
+    """``members_p`` on a GPU. An ensemble's forward (``inner`` is ``fused_matmul_p``, x or
+    the kernel per member) is one strided-batched cuBLASLt GEMM with the epilog, which
+    reads every member's operands and writes its results in place. The loop instead copies
+    each member's operands out and its results in: at 8192x1024->4096 (bf16, ReLU) it took
+    146 µs a member against about 100 for one layer (benchmarks/README.md (ac)). The loop
+    stays for the gradient primitives, and for members cuBLASLt will not batch (it warns
+    once; each member then runs its own fused call, or XLA's where that one is refused)."""
+    del partitioned
+    params = dict(inner_params)
+    loop = mlir.lower_fun(
+        functools.partial(_member_loop, inner=inner, inner_params=inner_params, batched=batched, depth=depth),
+        multiple_results=True,
+    )
+    lead = next(a.shape[:depth] for a, b in zip(ctx.avals_in, batched) if b)
+    spec = None
+    if inner is fused_matmul_p and (batched[0] or batched[1]):
+        spec = _forward_spec(_one_member(ctx.avals_in, batched, depth), **params)
+    if spec is None or _symbolic(*ctx.avals_in):
+        return loop(ctx, *operands)  # (each member's call warns where it must)
+    shared = ",".join(name for name, b in zip(("x", "kernel", "bias"), batched) if not b)
+    spec = spec._replace(members=math.prod(lead), shared=shared)
+    refusal = _fast_path_refusal(spec)
+    if refusal is not None:
+        _warn_once(refusal, f"{spec.members} members run one fused call each, not one batched call")
+        return loop(ctx, *operands)
+
+    def batched_call(*ops):
+        flat = [o.reshape(spec.members, *o.shape[depth:]) if b else o for o, b in zip(ops, batched)]
+        results = [jax.ShapeDtypeStruct((spec.members, *a.shape[depth:]), a.dtype) for a in ctx.avals_out]
+        results[0] = jax.ShapeDtypeStruct(results[0].shape, params["d_dtype"])  # D in the epilog's dtype
+        d, *aux = _ffi.call(tuple(flat), results, spec)
+        outs = [d.astype(params["out_dtype"]), *aux]
+        return [o.reshape(*lead, *o.shape[1:]) for o in outs]
+
+    return mlir.lower_fun(batched_call, multiple_results=True)(ctx, *operands)
+
+
 members_p.def_abstract_eval(_members_abstract_eval)
 members_p.def_impl(_impl_of(members_p))
 ad.primitive_jvps[members_p] = _members_jvp
@@ -552,4 +604,7 @@ batching.primitive_batchers[members_p] = _members_batch
 mlir.register_lowering(
     members_p,
     partitioned_lowering(members_p, mlir.lower_fun(_member_loop, multiple_results=True), _members_layout),
+)
+mlir.register_lowering(
+    members_p, partitioned_lowering(members_p, _members_cuda_lowering, _members_layout), platform="cuda"
 )

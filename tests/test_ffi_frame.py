@@ -25,6 +25,7 @@ _API_FN = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)
 FORWARD = EpilogSpec(33, 65, 129, "RELU_AUX_BIAS", "COMPUTE_32F", "float16", "float32", "float32")
 WGRAD = EpilogSpec(33, 65, 129, "BGRADA", "COMPUTE_32F", "float16", "float32", "float32", "wgrad")
 DGRAD = EpilogSpec(33, 65, 129, "DGELU", "COMPUTE_32F", "bfloat16", None, "float32", "dgrad")
+MEMBERS = FORWARD._replace(members=7, shared="x")  # an ensemble's forward, x shared
 
 
 def _words(*values):
@@ -146,10 +147,13 @@ def handler():
 
 
 def _attrs(spec):
-    return dict(
+    attrs = dict(
         _key=_ffi.spec_key(spec), problem=spec.problem, epilog=spec.epilog,
         compute_type=spec.compute_type, m=spec.m, n=spec.n, k=spec.k,
     )  # fmt: skip
+    if spec.members > 1:  # (as _ffi.call writes them: only for a batched problem)
+        attrs |= {"members": spec.members, "shared": spec.shared}
+    return attrs
 
 
 def _forward_frame(spec=FORWARD, x=0x10000, w=0x20000, b=0x30000, d=0x40000, aux=0x50000, **kw):
@@ -197,6 +201,14 @@ def test_unknown_key_decodes_the_attributes_and_buffer_dtypes(handler):
     assert frame(handler) is None, frame.errors
     [(spec, *_)] = handler.plans
     assert spec == FORWARD
+
+
+def test_unknown_key_of_a_batched_forward_decodes_its_members(handler):
+    frame = _forward_frame(MEMBERS)
+    assert frame(handler) is None, frame.errors
+    [(spec, _, _, plan)] = handler.plans
+    assert spec == MEMBERS and spec.members == 7 and spec.is_shared("x") and not spec.is_shared("kernel")
+    assert plan.runs == [(_STREAM, 0x20000, 0x10000, 0x30000, 0x40000, 0x50000)]
 
 
 def test_wgrad_passes_the_second_result_as_the_bias_output(handler):

@@ -512,25 +512,75 @@ def test_inside_shard_map_the_fused_path_runs_and_differentiates(rng):
         _assert_close(g, want, TOL["bfloat16"])
 
 
-def test_ensemble_runs_the_fused_path_per_member(rng):
-    """vmap over the weights without explicit sharding (members_p's loop): forward and
-    backward run our custom calls once per member, with the oracle's numbers."""
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_ensemble_runs_the_fused_path_and_differentiates(rng, activation):
+    """vmap over the weights without explicit sharding (members_p): the forward is one
+    batched custom call, the backward's BGRADA (GELU) one call per member in a loop; the
+    gradients (ReLU's from the members' bit-masks) are the oracle's."""
     from jax_epilog._ffi import TARGET_NAME
 
     members = [_inputs(rng, 40, 24, 72, "bfloat16") for _ in range(3)]
     x, w, b = (jnp.stack(a) for a in zip(*members))
-    layer = jax.vmap(lambda x, w, b: fused_dense(x, w, b, activation="gelu"))
+    layer = jax.vmap(lambda x, w, b: fused_dense(x, w, b, activation=activation))
     assert "jax_epilog_members" in str(jax.make_jaxpr(layer)(x, w, b))
     loss = lambda *a: jnp.sum(layer(*a).astype(jnp.float32))
     grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-    assert grad.lower(x, w, b).as_text().count(f"@{TARGET_NAME}(") == 2  # the forward and BGRADA
+    text = grad.lower(x, w, b).as_text()
+    assert text.count(f"@{TARGET_NAME}(") == (2 if activation == "gelu" else 1)  # the forward (and BGRADA)
+    assert text.count("members = 3") == 1
     y = jax.jit(layer)(x, w, b)
     for i, (xi, wi, bi) in enumerate(members):
-        _assert_close(y[i], _oracle(xi, wi, bi, "gelu")[0], TOL["bfloat16"])
-    plain = lambda x, w, b: jnp.sum(jax.nn.gelu(jnp.einsum("emk,ekn->emn", x, w) + b[:, None], approximate=True))
+        _assert_close(y[i], _oracle(xi, wi, bi, activation)[0], TOL["bfloat16"])
+    act = jax.nn.relu if activation == "relu" else functools.partial(jax.nn.gelu, approximate=True)
+    plain = lambda x, w, b: jnp.sum(act(jnp.einsum("emk,ekn->emn", x, w) + b[:, None]))
     f32 = [a.astype(jnp.float32) for a in (x, w, b)]
-    for g, want in zip(grad(x, w, b), jax.grad(plain, argnums=(0, 1, 2))(*f32)):
+    for g, want in zip(grad(x, w, b), jax.grad(plain, argnums=(0, 1, 2))(*f32), strict=True):
         _assert_close(g, want, TOL["bfloat16"])
+
+
+# An ensemble: vmap over stacked weights. Which operands are per member (0) or shared (None).
+_ENSEMBLES = {"all per member": (0, 0, 0), "x shared": (None, 0, 0), "kernel shared": (0, None, 0), "bias shared": (0, 0, None)}  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype, bias_dtype", [("bfloat16", None), ("float16", "float32"), ("float32", None)])
+@pytest.mark.parametrize("activation", [None, "relu", "gelu"])
+@pytest.mark.parametrize("ensemble", list(_ENSEMBLES))
+def test_an_ensembles_batched_forward_matches_the_oracle_member_by_member(rng, ensemble, activation, dtype, bias_dtype):
+    """One strided-batched cuBLASLt call for 3 members; each member's y and aux are its
+    own layer's (sizes not multiples of 8: rows, N, and the aux's padding)."""
+    from jax_epilog._ffi import TARGET_NAME
+
+    in_axes = _ENSEMBLES[ensemble]
+    m, k, n = 33, 129, 65
+    draws = [_inputs(rng, m, k, n, dtype, bias_dtype) for _ in range(3)]
+    args = [jnp.stack(parts) if ax == 0 else parts[0] for parts, ax in zip(zip(*draws), in_axes)]
+    layer = jax.jit(jax.vmap(functools.partial(fused_dense, activation=activation, return_aux=True), in_axes=in_axes))
+    text = layer.lower(*args).as_text()
+    assert text.count(f"@{TARGET_NAME}(") == 1 and "members = 3" in text
+    y, aux = layer(*args)
+    for i in range(3):
+        xi, wi, bi = (a[i] if ax == 0 else a for a, ax in zip(args, in_axes))
+        expected, z = _oracle(xi, wi, bi, activation)
+        _assert_close(y[i], expected, TOL[dtype])
+        if activation == "relu":
+            bits = np.asarray(unpack_relu_mask(aux[i], n))
+            clear = np.abs(z) > 20 * TOL[dtype]  # signs that rounding cannot flip
+            np.testing.assert_array_equal(bits[clear], (z > 0)[clear])
+        elif activation == "gelu":
+            _assert_close(aux[i][:, :n], z, TOL[dtype])
+    if activation is None:
+        assert aux is None
+
+
+def test_nested_ensembles_run_one_batched_call(rng):
+    draws = [[_inputs(rng, 24, 40, 56, "bfloat16") for _ in range(3)] for _ in range(2)]
+    x, w, b = (jnp.stack([jnp.stack([member[p] for member in row]) for row in draws]) for p in range(3))
+    layer = jax.jit(jax.vmap(jax.vmap(functools.partial(fused_dense, activation="relu"))))
+    assert "members = 6" in layer.lower(x, w, b).as_text()
+    y = layer(x, w, b)
+    for i, row in enumerate(draws):
+        for j, (xi, wi, bi) in enumerate(row):
+            _assert_close(y[i, j], _oracle(xi, wi, bi, "relu")[0], TOL["bfloat16"])
 
 
 _WORKER_THREAD_PLAN = """

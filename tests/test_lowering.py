@@ -204,3 +204,68 @@ def test_inside_shard_map_the_fused_calls_lower_and_the_weight_gradients_sum(cub
     assert sorted(problems) == ["dgrad", "forward", "wgrad"]
     assert "m = 33" in _calls(text)[0]  # each device's rows
     assert text.count("stablehlo.all_reduce") == 3
+
+
+# An ensemble: vmap over stacked weights. Which operands are per member (0) or shared (None).
+_ENSEMBLES = {"all per member": (0, 0, 0), "x shared": (None, 0, 0), "kernel shared": (0, None, 0), "bias shared": (0, 0, None)}  # fmt: skip
+
+
+def _stacked(args, in_axes, members=3):
+    return [jnp.stack([a * (i + 1) for i in range(members)]) if ax == 0 else a for i, (a, ax) in enumerate(zip(args, in_axes))]
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+@pytest.mark.parametrize("ensemble", list(_ENSEMBLES))
+def test_an_ensembles_forward_is_one_batched_call(cublaslt_accepts, ensemble, activation):
+    """Each member's D and aux written in place by one strided-batched GEMM (no loop, so
+    no copies in and out); a shared operand is passed once, whole."""
+    in_axes = _ENSEMBLES[ensemble]
+    args = _stacked(_args(jnp.bfloat16, jnp.float32), in_axes)
+    layer = jax.vmap(functools.partial(op, activation=activation, return_aux=True), in_axes=in_axes)
+    text = _cuda_text(layer, *args)
+    (call,) = _calls(text)
+    shared = ",".join(name for name, ax in zip(("x", "kernel", "bias"), in_axes) if ax is None)
+    assert "members = 3" in call and f'shared = "{shared}"' in call
+    assert "stablehlo.while" not in text
+    aux = "3x33x16xui8" if activation == "relu" else "3x33x72xf32"  # (members, m, aux width)
+    assert call.endswith(f"-> (tensor<3x33x65xf32>, tensor<{aux}>)")  # D in float32 beside the float32 bias
+
+
+def test_nested_ensembles_are_one_batched_call_over_every_member(cublaslt_accepts):
+    x, w, b = (jnp.stack([jnp.stack([a] * 3)] * 2) for a in _args(jnp.bfloat16))
+    layer = jax.vmap(jax.vmap(functools.partial(op, activation="gelu")))
+    (call,) = _calls(_cuda_text(layer, x, w, b))
+    assert "members = 6" in call and call.endswith("-> tensor<6x33x65xbf16>")
+
+
+def test_members_sharing_x_and_the_kernel_loop_over_the_single_call(cublaslt_accepts):
+    """Only the bias per member: no batched GEMM (nvmath batches by its operands), so the
+    loop runs each member's fused call."""
+    x, w, b = _args(jnp.bfloat16)
+    text = _cuda_text(jax.vmap(functools.partial(op, activation="relu"), in_axes=(None, None, 0)), x, w, jnp.stack([b] * 3))
+    (call,) = _calls(text)
+    assert "members" not in call and "stablehlo.while" in text
+
+
+def test_an_ensembles_gradient_batches_the_forward_and_loops_over_the_bias_gradient(cublaslt_accepts):
+    args = _stacked(_args(jnp.bfloat16), (0, 0, 0))
+    loss = lambda *a: jax.vmap(functools.partial(op, activation="gelu"))(*a).astype(jnp.float32).sum()
+    calls = _calls(_cuda_text(jax.grad(loss, argnums=(0, 1, 2)), *args))
+    assert len(calls) == 2
+    forward, wgrad = sorted(calls, key=lambda c: "wgrad" in c)
+    assert "members = 3" in forward and 'epilog = "GELU_AUX_BIAS"' in forward
+    assert "members" not in wgrad and 'epilog = "BGRADA"' in wgrad
+
+
+def test_a_refused_batch_runs_one_fused_call_per_member_with_one_warning(monkeypatch):
+    monkeypatch.setattr(_primitive, "_fast_path_refusal", lambda spec: "no batch (test)" if spec.members > 1 else None)
+    _primitive._warn_once.cache_clear()
+    args = _stacked(_args(jnp.bfloat16), (0, 0, 0))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        text = _cuda_text(jax.vmap(functools.partial(op, activation="relu")), *args)
+    (call,) = _calls(text)
+    assert "members" not in call and "stablehlo.while" in text
+    (warning,) = [w for w in caught if issubclass(w.category, FastPathWarning)]
+    assert "3 members run one fused call each" in str(warning.message) and "no batch (test)" in str(warning.message)
+

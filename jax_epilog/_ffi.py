@@ -91,8 +91,9 @@ def spec_key(spec: EpilogSpec) -> int:
 def call(operands: tuple[jax.Array, ...], results: list[jax.ShapeDtypeStruct], spec: EpilogSpec):
     """Emit the custom call for ``spec``; returns the list of results.
 
-    Operands and results by position: forward (x, kernel[, bias]) -> (D[, aux]), each
-    with a leading members dimension where ``spec.members > 1``, but those ``spec.shared``;
+    Operands and results by position: forward (x, kernel[, bias]) -> (D[, aux]), where
+    ``spec.members > 1`` each with a leading members dimension except those in
+    ``spec.shared``;
     wgrad (x, dz) -> (D = dkernel[, dbias]); dgrad (dz, kernel, aux) -> (D = dz of the
     previous layer).
     """

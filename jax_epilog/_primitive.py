@@ -16,7 +16,7 @@ primitive differentiates through its reference math (for derivatives of a gradie
 Batched weights (an ensemble) bind ``members_p``, which splits the members over the
 devices that hold them; on each device the forward is one batched cuBLASLt GEMM, the
 gradient primitives one call per member in a loop (under explicit sharding,
-``_sharding.map_members``'s loop instead).
+``_sharding.map_members`` binds it in a shard_map, or loops itself).
 """
 
 from __future__ import annotations
@@ -562,11 +562,12 @@ def _members_batch(args, dims, *, inner, inner_params, batched, depth, partition
 def _members_cuda_lowering(ctx, *operands, inner, inner_params, batched, depth, partitioned=False):
     """``members_p`` on a GPU. An ensemble's forward (``inner`` is ``fused_matmul_p``, x or
     the kernel per member) is one strided-batched cuBLASLt GEMM with the epilog, which
-    reads every member's operands and writes its results in place. The loop instead copies
-    each member's operands out and its results in: at 8192x1024->4096 (bf16, ReLU) it took
-    146 µs a member against about 100 for one layer (benchmarks/README.md (ac)). The loop
-    stays for the gradient primitives, and for members cuBLASLt will not batch (it warns
-    once; each member then runs its own fused call, or XLA's where that one is refused)."""
+    reads every member's operands and writes its results in place, where the loop slices
+    each member's operands out and stacks its results: at 8192x1024->4096 (bf16, ReLU) the
+    loop took 146 µs a member, the batched GEMM 103, one layer alone about 104
+    (benchmarks/README.md (ac), (ad)). The loop stays for the gradient primitives, for
+    fewer than two members, and for a batch cuBLASLt refuses (it warns once; each member
+    then runs its own fused call, or XLA's where that one is refused)."""
     del partitioned
     params = dict(inner_params)
     loop = mlir.lower_fun(
@@ -575,9 +576,10 @@ def _members_cuda_lowering(ctx, *operands, inner, inner_params, batched, depth, 
     )
     lead = next(a.shape[:depth] for a, b in zip(ctx.avals_in, batched) if b)
     spec = None
-    if inner is fused_matmul_p and (batched[0] or batched[1]):
+    # (nvmath batches by x and the kernel: with both shared, only the bias differs)
+    if inner is fused_matmul_p and (batched[0] or batched[1]) and not _symbolic(*ctx.avals_in):
         spec = _forward_spec(_one_member(ctx.avals_in, batched, depth), **params)
-    if spec is None or _symbolic(*ctx.avals_in):
+    if spec is None or math.prod(lead) < 2:
         return loop(ctx, *operands)  # (each member's call warns where it must)
     shared = ",".join(name for name, b in zip(("x", "kernel", "bias"), batched) if not b)
     spec = spec._replace(members=math.prod(lead), shared=shared)

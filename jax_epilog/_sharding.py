@@ -14,10 +14,11 @@ onto every device and run the whole GEMM on each. So each primitive's lowering g
   whole aux. Either way y splits as it would without an aux, so the types agree;
 - everything else (K, and N where it cannot split) is gathered whole onto each device.
 
-An ensemble (``vmap`` over weights) runs the primitive once per member, in a loop whose
-lowering splits the members as the weights arrive (``Layout.over_members``: leading
-member dimensions, "e0" (and "e1" for an ensemble of ensembles) in the rule), then each
-member's rows and N as above: each device loops over its own members' blocks.
+An ensemble (``vmap`` over weights) binds ``members_p``, whose lowering splits the
+members as the weights arrive (``Layout.over_members``: leading member dimensions, "e0"
+(and "e1" for an ensemble of ensembles) in the rule), then each member's rows and N as
+above: each device runs its own members' blocks (the forward in one batched call on a
+GPU, anything else in a loop).
 
 Each device runs the primitive on its own block, and results that sum over the rows (the
 kernel and bias gradients) are summed over the devices that split them (``psum``). That
@@ -31,10 +32,10 @@ holds its own block), the primitive lowers directly: custom_partitioning adds no
 Under explicit sharding an array's type names its sharding: ``typed`` gives the
 primitives' results the types this rule makes, ``like`` gives each gradient its
 primal's type, ``fold_rows`` folds leading dimensions into the rows in an order such a
-type allows, and ``map_members`` runs an ensemble's loop in place of ``members_p``: in a
-``shard_map`` over the members' axes, which keeps them split (the types must say so at
-trace time), unless an operand is also split over another axis (then they are gathered
-for the loop and split again after).
+type allows, and ``map_members`` binds ``members_p`` in a ``shard_map`` over the
+members' axes, which keeps them split (the types must say so at trace time), unless an
+operand is also split over another axis (then they are gathered for a loop and split
+again after).
 """
 
 from __future__ import annotations

@@ -628,14 +628,15 @@ def arrays(name):
         return [f[f"arr_{{i}}"] for i in range(len(f.files))]
 
 inputs = [jnp.asarray(a, jnp.bfloat16) for a in arrays("inputs")]  # (bfloat16 values, saved as float32)
-for name in ("forward", "grad"):
+for name in ("forward", "grad", "ensemble"):
     exported = jax.export.deserialize(open(sys.argv[1] + "/" + name + ".bin", "rb").read())
     got = [np.asarray(r, np.float32) for r in jax.tree.leaves(exported.call(*inputs))]
     for g, r in zip(got, arrays(name), strict=True):
         scale = max(1.0, float(np.abs(r).max()))
         assert np.abs(g - r).max() <= {tol} * scale, (name, float(np.abs(g - r).max()), scale)
 calls, _, resolved = jax_epilog._ffi.handler_stats()
-assert calls == 3 and resolved == 3, (calls, resolved)  # the forward, and the grad's forward and BGRADA
+# the forward, the grad's forward and BGRADA, and the ensemble's batched forward
+assert calls == 4 and resolved == 4, (calls, resolved)
 assert not jax_epilog._nvmath._tuned, "a plan was tuned: something was lowered here"
 print("handler calls", calls)
 """
@@ -645,16 +646,21 @@ def test_an_exported_program_runs_in_a_process_that_never_lowered_it(rng, tmp_pa
     """jax.export of a program holding the fused custom call (allowed by EXPORT_CHECKS),
     serialized, then deserialized and called in a fresh process that only imported
     jax_epilog: the handler, registered at import, decodes each problem from the call's
-    attributes and plans it, and the results match this process's."""
+    attributes (an ensemble's members too) and plans it, and the results match this
+    process's."""
     pytest.importorskip("flatbuffers", reason="jax.export's serialization needs flatbuffers")
     from jax_epilog._ffi import TARGET_NAME
 
     x, w, b = _inputs(rng, 40, 24, 72, "bfloat16")
     forward = jax.jit(lambda x, w, b: fused_dense(x, w, b, activation="gelu"))
     grad = jax.jit(jax.grad(lambda *a: jnp.sum(forward(*a).astype(jnp.float32) ** 2), argnums=(0, 1, 2)))
+    layer = functools.partial(fused_dense, activation="relu")
+    members = lambda x, w, b: jax.vmap(layer, in_axes=(None, 0, 0))(x, jnp.stack([w, -w]), jnp.stack([b, b / 2]))
+    ensemble = jax.jit(members)  # two members sharing x: one batched call
     with pytest.raises(ValueError, match=TARGET_NAME):
         jax.export.export(forward)(x, w, b)  # jax.export's safety check, unless told otherwise
-    for name, f in (("forward", forward), ("grad", grad)):
+    assert "members = 2" in ensemble.lower(x, w, b).as_text()
+    for name, f in (("forward", forward), ("grad", grad), ("ensemble", ensemble)):
         exported = jax.export.export(f, disabled_checks=jax_epilog.EXPORT_CHECKS)(x, w, b)
         assert f"@{TARGET_NAME}(" in exported.mlir_module()
         (tmp_path / f"{name}.bin").write_bytes(exported.serialize())

@@ -247,6 +247,13 @@ def test_members_sharing_x_and_the_kernel_loop_over_the_single_call(cublaslt_acc
     assert "members" not in call and "stablehlo.while" in text
 
 
+@pytest.mark.parametrize("members", [0, 1])
+def test_no_members_or_one_run_as_a_loop(cublaslt_accepts, members):
+    args = [jnp.broadcast_to(a, (members, *a.shape)) for a in _args(jnp.bfloat16)]
+    text = _cuda_text(jax.vmap(functools.partial(op, activation="relu")), *args)
+    assert all(call.endswith("-> tensor<33x65xbf16>") for call in _calls(text))  # one member's, if any
+
+
 def test_an_ensembles_gradient_batches_the_forward_and_loops_over_the_bias_gradient(cublaslt_accepts):
     args = _stacked(_args(jnp.bfloat16), (0, 0, 0))
     loss = lambda *a: jax.vmap(functools.partial(op, activation="gelu"))(*a).astype(jnp.float32).sum()

@@ -2,8 +2,9 @@
 
     python -m benchmarks.probes.ensemble [--out DIR] [--members E] [--shape M K N ...]
 
-Batched weights run the fused primitive once per member, in a loop (``members_p``): E
-cuBLASLt calls one after another, where XLA's ``vmap`` of the plain expression is one
+Batched weights bind ``members_p``: on a GPU the forward is one strided-batched cuBLASLt
+GEMM with the epilog (before 2026-12-05 (ad), E fused calls in a loop), the "cublaslt"
+backward's BGRADA one call per member; XLA's ``vmap`` of the plain expression is one
 batched GEMM and its epilog. This probe times the forward and a gradient
 (``jax.grad`` of ``sum(layer(x, w, b))`` in x, w and b, summed in float32) of
 ``jax.jit(jax.vmap(layer))`` over E members, each with its own x, for XLA's expression,

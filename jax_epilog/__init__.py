@@ -7,6 +7,7 @@ from ._epilogs import aux_padded_width as aux_padded_width
 from ._ffi import EXPORT_CHECKS as EXPORT_CHECKS
 from ._mlp import fused_mlp as fused_mlp
 from ._primitive import FastPathWarning as FastPathWarning
+from ._primitive import MembersLoopWarning as MembersLoopWarning
 from ._reference import unpack_relu_mask as unpack_relu_mask
 
 __version__ = "0.1.0"
@@ -16,6 +17,7 @@ __all__ = [
     "Activation",
     "ComputeType",
     "FastPathWarning",
+    "MembersLoopWarning",
     "aux_padded_width",
     "fused_dense",
     "fused_mlp",

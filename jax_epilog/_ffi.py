@@ -83,8 +83,11 @@ class _ErrorCreateArgs(ctypes.Structure):
 
 
 def spec_key(spec: EpilogSpec) -> int:
-    """A stable 63-bit key for a problem (the same in every process)."""
-    digest = hashlib.blake2b(repr(tuple(spec)).encode(), digest_size=8).digest()
+    """A stable 63-bit key for a problem (the same in every process). A problem without
+    members hashes the fields it had before ``members`` and ``shared`` existed, so that
+    its key, and a program exported with it, stay as they were."""
+    fields = tuple(spec) if spec.members > 1 else tuple(spec)[: EpilogSpec._fields.index("members")]
+    digest = hashlib.blake2b(repr(fields).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
 
 

@@ -13,10 +13,10 @@ outputs in the same aux layout. Falling back on a GPU is announced once with a w
 Over several devices every lowering first splits the primitive by rows, and by N where it
 can (``_sharding``; each primitive's ``Layout`` says where its M and N are). Each
 primitive differentiates through its reference math (for derivatives of a gradient).
-Batched weights (an ensemble) bind ``members_p``, which splits the members over the
-devices that hold them; on each device the forward is one batched cuBLASLt GEMM, the
-gradient primitives one call per member in a loop (under explicit sharding,
-``_sharding.map_members`` binds it in a shard_map, or loops itself).
+Batched weights (an ensemble) bind ``members_p`` for the forward, which splits the
+members over the devices that hold them, each device's members one batched cuBLASLt GEMM
+(under explicit sharding ``_sharding.map_members`` binds it in a shard_map, or loops
+itself); the gradient primitives batch as their reference math: XLA's batched GEMMs.
 """
 
 from __future__ import annotations
@@ -53,12 +53,17 @@ from ._sharding import (
     vary_alike,
 )
 
-__all__ = ["FastPathWarning", "fused_gelu_input_grad", "fused_matmul", "fused_weight_grad"]
+__all__ = ["FastPathWarning", "MembersLoopWarning", "fused_gelu_input_grad", "fused_matmul", "fused_weight_grad"]
 
 
 class FastPathWarning(RuntimeWarning):
-    """The fused cuBLASLt path could not be used on a GPU; XLA's unfused path ran instead
-    (or, for an ensemble's members, one fused call per member instead of a batched one)."""
+    """The fused cuBLASLt path could not be used on a GPU; XLA's unfused path ran instead."""
+
+
+class MembersLoopWarning(RuntimeWarning):
+    """cuBLASLt refused to batch an ensemble's members on a GPU: each member runs its own
+    fused call instead, in a loop (or XLA's path, where cuBLASLt refuses that one too,
+    with a FastPathWarning)."""
 
 
 fused_matmul_p = Primitive("jax_epilog_fused_matmul")
@@ -188,8 +193,8 @@ def spec_of(x_aval, kernel_aval, bias_aval, activation, with_aux, compute_type, 
 
 
 @functools.cache
-def _warn_once(reason: str, instead: str = "using XLA's unfused path on the GPU") -> None:
-    warnings.warn(f"jax_epilog: {instead}: {reason}", FastPathWarning, stacklevel=2)
+def _warn_once(reason: str, instead: str = "using XLA's unfused path on the GPU", category=FastPathWarning) -> None:
+    warnings.warn(f"jax_epilog: {instead}: {reason}", category, stacklevel=2)
 
 
 def _fast_path_refusal(spec: EpilogSpec) -> str | None:
@@ -364,8 +369,23 @@ mlir.register_lowering(
 )
 
 
-# Each batch member has its own gradient: one fused call per member, in a loop.
-batching.primitive_batchers[fused_weight_grad_p] = functools.partial(_map_over_batch, fused_weight_grad_p)
+def _batched_reference(reference):
+    """A batching rule: ``reference`` (a primitive's math in XLA's ops) under ``vmap``:
+    XLA's batched GEMM, for gradients whose batch members each have their own weights."""
+
+    def rule(args, dims, **params):
+        outs = jax.vmap(functools.partial(reference, **params), in_axes=tuple(dims))(*args)
+        return outs, [0] * len(outs)
+
+    return rule
+
+
+# Each batch member has its own gradient (an ensemble's, or per-example gradients): XLA's
+# batched GEMM and reduction, not a loop of BGRADA calls. For one layer XLA's GEMM and
+# reduction measured faster than BGRADA (126 against 142 µs at 8192x1024->4096), and the
+# members loop added about 40 µs a member (benchmarks/README.md (ac)); the batched form
+# itself is not yet timed on a GPU.
+batching.primitive_batchers[fused_weight_grad_p] = _batched_reference(_wgrad_reference_impl)
 
 
 # ------------------------------------------------- input gradient through a previous GELU
@@ -439,8 +459,8 @@ mlir.register_lowering(
 def _igrad_batch(args, dims, **params):
     dz, kernel, aux = args
     dz_dim, k_dim, aux_dim = dims
-    if k_dim is not None:  # batched kernels: one call per member
-        return _map_over_batch(fused_gelu_input_grad_p, args, dims, **params)
+    if k_dim is not None:  # batched kernels: XLA's batched GEMM (as the weight gradient's)
+        return _batched_reference(_igrad_reference_impl)(args, dims, **params)
     # A shared kernel: fold the batch into the GEMM's rows, one call.
     size = dz.shape[dz_dim] if dz_dim is not None else aux.shape[aux_dim]
     dz, aux = (
@@ -565,9 +585,9 @@ def _members_cuda_lowering(ctx, *operands, inner, inner_params, batched, depth, 
     reads every member's operands and writes its results in place, where the loop slices
     each member's operands out and stacks its results: at 8192x1024->4096 (bf16, ReLU) the
     loop took 146 µs a member, the batched GEMM 103, one layer alone about 104
-    (benchmarks/README.md (ac), (ad)). The loop stays for the gradient primitives, for
-    fewer than two members, and for a batch cuBLASLt refuses (it warns once; each member
-    then runs its own fused call, or XLA's where that one is refused)."""
+    (benchmarks/README.md (ac), (ad)). The loop stays for fewer than two members, for
+    members that share x and the kernel, and for a batch cuBLASLt refuses (it warns once;
+    each member then runs its own fused call, or XLA's where that one is refused)."""
     del partitioned
     params = dict(inner_params)
     loop = mlir.lower_fun(
@@ -585,7 +605,7 @@ def _members_cuda_lowering(ctx, *operands, inner, inner_params, batched, depth, 
     spec = spec._replace(members=math.prod(lead), shared=shared)
     refusal = _fast_path_refusal(spec)
     if refusal is not None:
-        _warn_once(refusal, f"{spec.members} members run one fused call each, not one batched call")
+        _warn_once(refusal, f"{spec.members} members run one fused call each, not one batched call", MembersLoopWarning)
         return loop(ctx, *operands)
 
     def batched_call(*ops):

@@ -436,7 +436,8 @@ def map_members(fn, operands, batched, per_device=None):
     directly there), by ``per_device(*its operands)`` where given, else in the loop. Where
     an operand is also split over another axis, the members are gathered first
     (``lax.map`` refuses a split axis), each device loops over every member, and the
-    results are split over the members' axes again: the type ``vmap`` gives them."""
+    results are split over the members' axes again: the type ``vmap`` gives them. Members
+    that no mesh axis splits loop too."""
 
     def local(*ops):
         return member_loop(fn, ops, batched)

@@ -851,7 +851,7 @@ def test_ensemble_probe_times_each_pass_three_ways_on_cpu(rng, tmp_path, capsys)
     ensemble.main(["--shape", "40", "24", "56", "--members", "2", "--out", str(tmp_path)])
     rows = json.loads((tmp_path / "ensemble.json").read_text())["rows"]
     assert [(r["shape"], r["activation"], r["pass_"]) for r in rows] == [
-        ("2x 40x24->56", a, p) for a in ("relu", "gelu") for p in ("forward", "gradient")
+        ("2x 40x24->56", a, p) for a in ("relu", "gelu") for p in ("forward", "gradient", "per-example gradient")
     ]
     assert all(r[f"{c}_us"] > 0 for r in rows for c in ensemble.CONTENDERS)
     assert "XLA / cublaslt" in capsys.readouterr().out

@@ -203,12 +203,20 @@ def test_unknown_key_decodes_the_attributes_and_buffer_dtypes(handler):
     assert spec == FORWARD
 
 
-def test_unknown_key_of_a_batched_forward_decodes_its_members(handler):
-    frame = _forward_frame(MEMBERS)
+@pytest.mark.parametrize("shared", ["x", "", "kernel,bias"])
+def test_unknown_key_of_a_batched_forward_decodes_its_members(handler, shared):
+    batched = MEMBERS._replace(shared=shared)
+    frame = _forward_frame(batched)
     assert frame(handler) is None, frame.errors
     [(spec, _, _, plan)] = handler.plans
-    assert spec == MEMBERS and spec.members == 7 and spec.is_shared("x") and not spec.is_shared("kernel")
+    assert spec == batched and spec.members == 7
+    assert [spec.is_shared(o) for o in ("x", "kernel", "bias")] == [o in shared.split(",") for o in ("x", "kernel", "bias")]
     assert plan.runs == [(_STREAM, 0x20000, 0x10000, 0x30000, 0x40000, 0x50000)]
+
+
+def test_a_problem_without_members_keeps_the_key_it_had_before_members_existed():
+    """Programs exported before EpilogSpec gained ``members`` and ``shared`` carry this key."""
+    assert _ffi.spec_key(FORWARD) == 872219303829478802
 
 
 def test_wgrad_passes_the_second_result_as_the_bias_output(handler):

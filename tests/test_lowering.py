@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from helpers import act_fn
 
-from jax_epilog import EXPORT_CHECKS, FastPathWarning, _primitive, fused_dense, fused_mlp
+from jax_epilog import EXPORT_CHECKS, FastPathWarning, MembersLoopWarning, _primitive, fused_dense, fused_mlp
 
 TARGET = "jax_epilog_fused_matmul"
 op = functools.partial(fused_dense, implementation="cublaslt")
@@ -254,14 +254,31 @@ def test_no_members_or_one_run_as_a_loop(cublaslt_accepts, members):
     assert all(call.endswith("-> tensor<33x65xbf16>") for call in _calls(text))  # one member's, if any
 
 
-def test_an_ensembles_gradient_batches_the_forward_and_loops_over_the_bias_gradient(cublaslt_accepts):
+def test_an_ensembles_gradient_batches_the_forward_and_leaves_the_weight_gradient_to_xla(cublaslt_accepts):
+    """Each member's kernel and bias gradients are XLA's batched GEMM and reduction, not a
+    loop of BGRADA calls (benchmarks/README.md (ad))."""
     args = _stacked(_args(jnp.bfloat16), (0, 0, 0))
     loss = lambda *a: jax.vmap(functools.partial(op, activation="gelu"))(*a).astype(jnp.float32).sum()
-    calls = _calls(_cuda_text(jax.grad(loss, argnums=(0, 1, 2)), *args))
-    assert len(calls) == 2
-    forward, wgrad = sorted(calls, key=lambda c: "wgrad" in c)
+    text = _cuda_text(jax.grad(loss, argnums=(0, 1, 2)), *args)
+    (forward,) = _calls(text)
     assert "members = 3" in forward and 'epilog = "GELU_AUX_BIAS"' in forward
-    assert "members" not in wgrad and 'epilog = "BGRADA"' in wgrad
+    assert "stablehlo.while" not in text
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_explicit_sharding_batches_each_devices_members_where_they_are_split(cublaslt_accepts, split):
+    """Under explicit sharding map_members' shard_map holds each device's members: one
+    batched call for them. Members not split over the mesh still loop (README)."""
+    mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,), devices=jax.devices("cpu")[:4])
+    spec = jax.sharding.PartitionSpec("data" if split else None)
+    args = [jax.device_put(a, jax.sharding.NamedSharding(mesh, spec)) for a in _stacked(_args(jnp.bfloat16), (0, 0, 0), members=8)]
+    with jax.set_mesh(mesh):
+        text = _cuda_text(jax.vmap(functools.partial(op, activation="gelu")), *args)
+    if split:
+        (call,) = _calls(text)
+        assert "members = 2" in call and call.endswith("-> tensor<2x33x65xbf16>")  # each device's 2 of 8
+    else:  # (each member's call is partitioned later, by XLA: not in this text)
+        assert "members =" not in text and "stablehlo.while" in text
 
 
 def test_a_refused_batch_runs_one_fused_call_per_member_with_one_warning(monkeypatch):
@@ -273,6 +290,7 @@ def test_a_refused_batch_runs_one_fused_call_per_member_with_one_warning(monkeyp
         text = _cuda_text(jax.vmap(functools.partial(op, activation="relu")), *args)
     (call,) = _calls(text)
     assert "members" not in call and "stablehlo.while" in text
-    (warning,) = [w for w in caught if issubclass(w.category, FastPathWarning)]
+    assert not [w for w in caught if issubclass(w.category, FastPathWarning)]  # still the fused path
+    (warning,) = [w for w in caught if issubclass(w.category, MembersLoopWarning)]
     assert "3 members run one fused call each" in str(warning.message) and "no batch (test)" in str(warning.message)
 

@@ -3,14 +3,19 @@
     python -m benchmarks.probes.ensemble [--out DIR] [--members E] [--shape M K N ...]
 
 Batched weights bind ``members_p``: on a GPU the forward is one strided-batched cuBLASLt
-GEMM with the epilog (before 2026-12-05 (ad), E fused calls in a loop), the "cublaslt"
-backward's BGRADA one call per member; XLA's ``vmap`` of the plain expression is one
-batched GEMM and its epilog. This probe times the forward and a gradient
-(``jax.grad`` of ``sum(layer(x, w, b))`` in x, w and b, summed in float32) of
-``jax.jit(jax.vmap(layer))`` over E members, each with its own x, for XLA's expression,
-``fused_dense`` with ``"auto"`` and with ``"cublaslt"`` (bf16, each member's inputs as
-benchmarks.training's, median of interleaved samples of back-to-back calls as
-benchmarks.forward). Results: DIR/ensemble.{json,md}.
+GEMM with the epilog (before 2026-12-05 (ad), E fused calls in a loop), and the
+"cublaslt" backward's kernel and bias gradients are XLA's batched GEMM and reduction
+(before (ad), a loop of BGRADA calls). XLA's ``vmap`` of the plain expression is one
+batched GEMM and its epilog. Three programs, each jitted, for XLA's expression and
+``fused_dense`` with ``"auto"`` and with ``"cublaslt"``:
+
+- forward: ``jax.vmap(layer)`` over E members, each with its own x;
+- gradient: ``jax.grad`` of ``sum(jax.vmap(layer)(x, w, b))`` (in float32) in x, w and b;
+- per-example gradient: one shared layer's kernel and bias gradients, ``jax.vmap``-ed
+  over E examples of M rows each (as for per-example clipping).
+
+bf16, each member's inputs as benchmarks.training's, medians of interleaved samples of
+back-to-back calls as benchmarks.forward. Results: DIR/ensemble.{json,md}.
 """
 
 from __future__ import annotations
@@ -42,9 +47,15 @@ def programs(activation: str) -> dict[str, dict]:
     layers = single_layers(activation)
     layers = {"xla": layers["xla"], "auto": partial(fused_dense, activation=activation), "cublaslt": layers["fused"]}
     summed = lambda f: lambda x, w, b: jnp.sum(jax.vmap(f)(x, w, b), dtype=jnp.float32)
+
+    def per_example(f):  # each member's x an example of one shared layer (the first member's)
+        grad = jax.grad(lambda x, w, b: jnp.sum(f(x, w, b), dtype=jnp.float32), argnums=(1, 2))
+        return lambda x, w, b: jax.vmap(grad, in_axes=(0, None, None))(x, w[0], b[0])
+
     return {
         "forward": {c: jax.jit(jax.vmap(layers[c])) for c in CONTENDERS},
         "gradient": {c: jax.jit(jax.grad(summed(layers[c]), argnums=(0, 1, 2))) for c in CONTENDERS},
+        "per-example gradient": {c: jax.jit(per_example(layers[c])) for c in CONTENDERS},
     }
 
 

@@ -145,9 +145,6 @@ def _impl_of(primitive: Primitive):
     return impl
 
 
-_TANGENTS = {}  # primitive -> its differentiation rule's tangents alone (for members_p's)
-
-
 def _jvp_of_reference(primitive: Primitive, reference):
     """Differentiation rule for ``primitive``: its own value, with the tangents of
     ``reference``, its math in plain XLA ops (which reverse mode can transpose), so that a
@@ -158,7 +155,8 @@ def _jvp_of_reference(primitive: Primitive, reference):
     derivatives at 8192x1024->4096 on the H200), except that float32 GEMMs a ``_FAST``
     compute type lets round their operands keep it (TF32 on the GPU, as the "xla"
     implementation's). Such derivatives recompute what the tangents need (z for the
-    activation's derivative) from the primals."""
+    activation's derivative) from the primals. Returns the rule's tangents alone (for
+    ``members_p``'s rule)."""
 
     def tangents_of(primals, tangents, **params):
         tangents = [ad.instantiate_zeros(t) for t in tangents]
@@ -170,11 +168,11 @@ def _jvp_of_reference(primitive: Primitive, reference):
         return primitive.bind(*primals, **params), tangents_of(primals, tangents, **params)
 
     ad.primitive_jvps[primitive] = jvp
-    _TANGENTS[primitive] = tangents_of
+    return tangents_of
 
 
 fused_matmul_p.def_impl(_impl_of(fused_matmul_p))
-_jvp_of_reference(fused_matmul_p, _reference_impl)
+_forward_tangents = _jvp_of_reference(fused_matmul_p, _reference_impl)
 _reference_lowering = mlir.lower_fun(_reference_impl, multiple_results=True)
 mlir.register_lowering(fused_matmul_p, partitioned_lowering(fused_matmul_p, _reference_lowering, _layout))
 
@@ -280,21 +278,14 @@ def _batch(args, dims, **params):
         rows, unfold = fold_rows(jnp.moveaxis(x, x_dim, 0), 2)
         outs = fused_matmul_p.bind(rows, kernel, *bias, **params)
         return [unfold(o) for o in outs], [0] * len(outs)
-    # Batched weights (an ensemble): one fused call per member, in a loop.
-    return _map_over_batch(fused_matmul_p, args, dims, **params)
-
-
-def _map_over_batch(primitive: Primitive, args, dims, **params):
-    """A batching rule that binds ``members_p`` over the batch (``primitive`` once per
-    member in a loop; on a GPU the forward as one batched GEMM); members split over
-    devices stay split. Where types name their sharding, ``_sharding.map_members`` binds it
-    in a shard_map over the members' axes (or loops over gathered members)."""
+    # Batched weights (an ensemble): members_p (on a GPU one batched GEMM), whose members
+    # split over devices stay split; where types name their sharding, map_members binds it
+    # in a shard_map over the members' axes (or loops over gathered members).
     moved = [a if d is None else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims)]
     batched = tuple(d is not None for d in dims)
-    inner_params = tuple(sorted(params.items()))
-    members = functools.partial(members_p.bind, inner=primitive, inner_params=inner_params, batched=batched, depth=1)
+    members = functools.partial(members_p.bind, inner_params=tuple(sorted(params.items())), batched=batched, depth=1)
     if explicitly_typed(moved):
-        outs = map_members(lambda *ops: primitive.bind(*ops, **params), moved, batched, per_device=members)
+        outs = map_members(lambda *ops: fused_matmul_p.bind(*ops, **params), moved, batched, per_device=members)
     else:
         outs = members(*moved)
     return outs, [0] * len(outs)
@@ -477,56 +468,55 @@ batching.primitive_batchers[fused_gelu_input_grad_p] = _igrad_batch
 
 # ------------------------------------------------------------------ ensembles
 
+# ``members_p`` binds the forward (``fused_matmul_p``, with ``inner_params``) for every
+# member of an ensemble.
 members_p = Primitive("jax_epilog_members")
 members_p.multiple_results = True
-_LAYOUTS = {
-    fused_matmul_p: _layout, fused_weight_grad_p: _wgrad_layout, fused_gelu_input_grad_p: _igrad_layout,
-}  # fmt: skip
 
 
-def _member_loop(*operands, inner, inner_params, batched, depth, partitioned=False):
-    """``members_p``: ``inner`` bound once per member of the ``batched`` operands (their
+def _member_loop(*operands, inner_params, batched, depth, partitioned=False):
+    """``members_p``: the forward bound once per member of the ``batched`` operands (their
     first ``depth`` dimensions), in a lax.map loop (on a GPU the forward instead lowers
     to one batched GEMM: ``_members_cuda_lowering``). Over several devices its lowering
-    splits the members as they arrive (then the rows and N, as ``inner``'s layout does),
+    splits the members as they arrive (then the rows and N, as the forward's layout does),
     each device looping over its own: vmap over an ensemble's weights, whose loop XLA
     would otherwise gather onto every device."""
     del partitioned
-    return member_loop(lambda *ops: inner.bind(*ops, **dict(inner_params)), operands, batched, depth)
+    return member_loop(lambda *ops: fused_matmul_p.bind(*ops, **dict(inner_params)), operands, batched, depth)
 
 
 def _one_member(avals, batched, depth):
     return [shaped_like(a, a.shape[depth:], a.dtype) if b else a for a, b in zip(avals, batched)]
 
 
-def _members_abstract_eval(*avals, inner, inner_params, batched, depth, partitioned=False):
+def _members_abstract_eval(*avals, inner_params, batched, depth, partitioned=False):
     del partitioned
     lead = next(a.shape[:depth] for a, b in zip(avals, batched) if b)
-    outs, _ = inner.abstract_eval(*_one_member(avals, batched, depth), **dict(inner_params))
+    outs, _ = fused_matmul_p.abstract_eval(*_one_member(avals, batched, depth), **dict(inner_params))
     return [shaped_like(o, (*lead, *o.shape), o.dtype) for o in outs]
 
 
-def _members_layout(avals, *, inner, inner_params, batched, depth) -> Layout:
+def _members_layout(avals, *, inner_params, batched, depth) -> Layout:
     one = _one_member(avals, batched, depth)
-    return _LAYOUTS[inner](one, **dict(inner_params)).over_members(batched, depth)
+    return _layout(one, **dict(inner_params)).over_members(batched, depth)
 
 
-def _members_jvp(primals, tangents, *, inner, inner_params, batched, depth, partitioned=False):
+def _members_jvp(primals, tangents, *, inner_params, batched, depth, partitioned=False):
     """The members' values from ``members_p`` (split as they are), their tangents from
-    ``inner``'s own rule batched over the members (XLA's ops, which XLA splits itself)."""
+    the forward's own rule batched over the members (XLA's ops, which XLA splits itself)."""
     del partitioned
     tangents = [ad.instantiate_zeros(t) for t in tangents]
     axes = [0 if b else None for b in batched]
-    one = functools.partial(_TANGENTS[inner], **dict(inner_params))
+    one = functools.partial(_forward_tangents, **dict(inner_params))
     for _ in range(depth):
         one = jax.vmap(one, in_axes=(axes, axes))
     out_tangents = one(list(primals), tangents)
-    outs = members_p.bind(*primals, inner=inner, inner_params=inner_params, batched=batched, depth=depth)
+    outs = members_p.bind(*primals, inner_params=inner_params, batched=batched, depth=depth)
     return outs, out_tangents
 
 
-def _members_batch(args, dims, *, inner, inner_params, batched, depth, partitioned=False):
-    """A vmap of an ensemble. A new axis on the operands that hold ``inner``'s rows only
+def _members_batch(args, dims, *, inner_params, batched, depth, partitioned=False):
+    """A vmap of an ensemble. A new axis on the operands that hold the forward's rows only
     (whether members' or shared) folds into those rows, where no result sums over them:
     one ``members_p`` call, split as before (a per-example model over an ensemble). Any
     other becomes an outer member dimension (an ensemble of ensembles), the operands it
@@ -536,19 +526,17 @@ def _members_batch(args, dims, *, inner, inner_params, batched, depth, partition
         # A members_p that map_members bound in its shard_map, under a vmap over explicitly
         # split operands: a loop (``lax.map`` is batched along another dimension than
         # the one it maps, which the split types allow), as map_members' own loop would be.
-        def loop(*ops):
-            return member_loop(lambda *o: inner.bind(*o, **dict(inner_params)), ops, batched, depth)
-
+        loop = functools.partial(_member_loop, inner_params=inner_params, batched=batched, depth=depth)
         outs = jax.vmap(loop, in_axes=tuple(dims))(*args)
         return outs, [0] * len(outs)
-    params = {"inner": inner, "inner_params": inner_params}
+    params = {"inner_params": inner_params}
     unmapped = [
         jax.core.ShapedArray(np.delete(a.shape, [d] if d is not None else []), a.dtype)
         for a, d in zip(args, dims)
     ]
     one = _one_member(unmapped, batched, depth)
-    layout = _LAYOUTS[inner](one, **dict(inner_params))
-    rows, results = layout.rows[0], len(inner.abstract_eval(*one, **dict(inner_params))[0])
+    layout = _layout(one, **dict(inner_params))
+    rows, results = layout.rows[0], len(fused_matmul_p.abstract_eval(*one, **dict(inner_params))[0])
     new_rows_only = all((d is not None) == (i in rows) for i, d in enumerate(dims))
     if new_rows_only and not layout.summed and len(layout.rows[1]) == results:
         size, per = args[rows[0]].shape[dims[rows[0]]], one[rows[0]].shape[0]
@@ -579,9 +567,9 @@ def _members_batch(args, dims, *, inner, inner_params, batched, depth, partition
     return outs, [0] * len(outs)
 
 
-def _members_cuda_lowering(ctx, *operands, inner, inner_params, batched, depth, partitioned=False):
-    """``members_p`` on a GPU. An ensemble's forward (``inner`` is ``fused_matmul_p``, x or
-    the kernel per member) is one strided-batched cuBLASLt GEMM with the epilog, which
+def _members_cuda_lowering(ctx, *operands, inner_params, batched, depth, partitioned=False):
+    """``members_p`` on a GPU. An ensemble's forward (x or the kernel per member) is one
+    strided-batched cuBLASLt GEMM with the epilog, which
     reads every member's operands and writes its results in place, where the loop slices
     each member's operands out and stacks its results: at 8192x1024->4096 (bf16, ReLU) the
     loop took 146 µs a member, the batched GEMM 103, one layer alone about 104
@@ -591,13 +579,13 @@ def _members_cuda_lowering(ctx, *operands, inner, inner_params, batched, depth, 
     del partitioned
     params = dict(inner_params)
     loop = mlir.lower_fun(
-        functools.partial(_member_loop, inner=inner, inner_params=inner_params, batched=batched, depth=depth),
+        functools.partial(_member_loop, inner_params=inner_params, batched=batched, depth=depth),
         multiple_results=True,
     )
     lead = next(a.shape[:depth] for a, b in zip(ctx.avals_in, batched) if b)
     spec = None
     # (nvmath batches by x and the kernel: with both shared, only the bias differs)
-    if inner is fused_matmul_p and (batched[0] or batched[1]) and not _symbolic(*ctx.avals_in):
+    if (batched[0] or batched[1]) and not _symbolic(*ctx.avals_in):
         spec = _forward_spec(_one_member(ctx.avals_in, batched, depth), **params)
     if spec is None or math.prod(lead) < 2:
         return loop(ctx, *operands)  # (each member's call warns where it must)

@@ -426,18 +426,18 @@ def explicitly_typed(values) -> bool:
     return any(_explicit(getattr(jax.typeof(v), "sharding", None)) for v in values)
 
 
-def map_members(fn, operands, batched, per_device=None):
+def map_members(fn, operands, batched, per_device):
     """``member_loop`` under explicit sharding (elsewhere the members' partitioning is
     the lowering's: ``Layout.over_members``).
 
     Members split over mesh axes stay split: each device runs its own, inside a
     ``shard_map`` manual over those axes (``vmap`` has split every batched operand's
     member dimension alike, and no shared operand over those axes; the primitives lower
-    directly there), by ``per_device(*its operands)`` where given, else in the loop. Where
-    an operand is also split over another axis, the members are gathered first
-    (``lax.map`` refuses a split axis), each device loops over every member, and the
-    results are split over the members' axes again: the type ``vmap`` gives them. Members
-    that no mesh axis splits loop too."""
+    directly there), by ``per_device(*its operands)``. Elsewhere ``fn`` runs once per
+    member, in ``member_loop``: where an operand is also split over another axis, the
+    members are gathered first (``lax.map`` refuses a split axis), each device loops over
+    every member, and the results are split over the members' axes again (the type
+    ``vmap`` gives them); and where no mesh axis splits the members."""
 
     def local(*ops):
         return member_loop(fn, ops, batched)
@@ -453,7 +453,7 @@ def map_members(fn, operands, batched, per_device=None):
         return [_reshard_first(o, axes) for o in outs]  # typed as vmap expects: members split
     spec = PartitionSpec(axes)
     in_specs = tuple(spec if b else PartitionSpec() for b in batched)
-    mapped = jax.shard_map(per_device or local, mesh=members.mesh, in_specs=in_specs, out_specs=spec, axis_names=set(axes))
+    mapped = jax.shard_map(per_device, mesh=members.mesh, in_specs=in_specs, out_specs=spec, axis_names=set(axes))
     return mapped(*operands)
 
 

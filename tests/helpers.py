@@ -11,6 +11,9 @@ import ml_dtypes
 import numpy as np
 
 ACTIVATIONS = [None, "relu", "gelu"]
+# An ensemble: vmap over stacked weights. Which of (x, kernel, bias) are per member (0) or
+# shared (None) (test_lowering.py, test_gpu.py).
+ENSEMBLES = {"all per member": (0, 0, 0), "x shared": (None, 0, 0), "kernel shared": (0, None, 0), "bias shared": (0, 0, None)}  # fmt: skip
 ON_GPU = jax.default_backend() == "gpu"
 # Largest error allowed, relative to the reference's largest entry (and elementwise rtol).
 # On a GPU the twin's float32 matmuls may run in TF32 (XLA's DEFAULT precision) and

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers import ENSEMBLES
 
 import jax_epilog
 from jax_epilog import FastPathWarning, aux_padded_width, unpack_relu_mask
@@ -537,19 +538,17 @@ def test_ensemble_runs_the_fused_path_and_differentiates(rng, activation):
         _assert_close(g, want, TOL["bfloat16"])
 
 
-# An ensemble: vmap over stacked weights. Which operands are per member (0) or shared (None).
-_ENSEMBLES = {"all per member": (0, 0, 0), "x shared": (None, 0, 0), "kernel shared": (0, None, 0), "bias shared": (0, 0, None)}  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype, bias_dtype", [("bfloat16", None), ("float16", "float32"), ("float32", None)])
 @pytest.mark.parametrize("activation", [None, "relu", "gelu"])
-@pytest.mark.parametrize("ensemble", list(_ENSEMBLES))
+@pytest.mark.parametrize("ensemble", list(ENSEMBLES))
 def test_an_ensembles_batched_forward_matches_the_oracle_member_by_member(rng, ensemble, activation, dtype, bias_dtype):
     """One strided-batched cuBLASLt call for 3 members; each member's y and aux are its
     own layer's (sizes not multiples of 8: rows, N, and the aux's padding)."""
     from jax_epilog._ffi import TARGET_NAME
 
-    in_axes = _ENSEMBLES[ensemble]
+    in_axes = ENSEMBLES[ensemble]
     m, k, n = 33, 129, 65
     draws = [_inputs(rng, m, k, n, dtype, bias_dtype) for _ in range(3)]
     args = [jnp.stack(parts) if ax == 0 else parts[0] for parts, ax in zip(zip(*draws), in_axes)]

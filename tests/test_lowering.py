@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import act_fn
+from helpers import ENSEMBLES, act_fn
 
 from jax_epilog import EXPORT_CHECKS, FastPathWarning, MembersLoopWarning, _primitive, fused_dense, fused_mlp
 
@@ -206,8 +206,6 @@ def test_inside_shard_map_the_fused_calls_lower_and_the_weight_gradients_sum(cub
     assert text.count("stablehlo.all_reduce") == 3
 
 
-# An ensemble: vmap over stacked weights. Which operands are per member (0) or shared (None).
-_ENSEMBLES = {"all per member": (0, 0, 0), "x shared": (None, 0, 0), "kernel shared": (0, None, 0), "bias shared": (0, 0, None)}  # fmt: skip
 
 
 def _stacked(args, in_axes, members=3):
@@ -215,11 +213,11 @@ def _stacked(args, in_axes, members=3):
 
 
 @pytest.mark.parametrize("activation", ["relu", "gelu"])
-@pytest.mark.parametrize("ensemble", list(_ENSEMBLES))
+@pytest.mark.parametrize("ensemble", list(ENSEMBLES))
 def test_an_ensembles_forward_is_one_batched_call(cublaslt_accepts, ensemble, activation):
     """Each member's D and aux written in place by one strided-batched GEMM (no loop, so
     no copies in and out); a shared operand is passed once, whole."""
-    in_axes = _ENSEMBLES[ensemble]
+    in_axes = ENSEMBLES[ensemble]
     args = _stacked(_args(jnp.bfloat16, jnp.float32), in_axes)
     layer = jax.vmap(functools.partial(op, activation=activation, return_aux=True), in_axes=in_axes)
     text = _cuda_text(layer, *args)

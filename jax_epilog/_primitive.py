@@ -14,9 +14,9 @@ Over several devices every lowering first splits the primitive by rows, and by N
 can (``_sharding``; each primitive's ``Layout`` says where its M and N are). Each
 primitive differentiates through its reference math (for derivatives of a gradient).
 Batched weights (an ensemble) bind ``members_p`` for the forward, which splits the
-members over the devices that hold them, each device's members one batched cuBLASLt GEMM
-(under explicit sharding ``_sharding.map_members`` binds it in a shard_map, or loops
-itself); the gradient primitives batch as their reference math: XLA's batched GEMMs.
+members over the devices that hold them (explicit sharding included), each device's
+members one batched cuBLASLt GEMM; the gradient primitives batch as their reference math:
+XLA's batched GEMMs.
 """
 
 from __future__ import annotations
@@ -43,9 +43,7 @@ from ._epilogs import (
 )
 from ._sharding import (
     Layout,
-    explicitly_typed,
     fold_rows,
-    map_members,
     member_loop,
     partitioned_lowering,
     shaped_like,
@@ -279,15 +277,10 @@ def _batch(args, dims, **params):
         outs = fused_matmul_p.bind(rows, kernel, *bias, **params)
         return [unfold(o) for o in outs], [0] * len(outs)
     # Batched weights (an ensemble): members_p (on a GPU one batched GEMM), whose members
-    # split over devices stay split; where types name their sharding, map_members binds it
-    # in a shard_map over the members' axes (or loops over gathered members).
+    # split over devices stay split, under explicit sharding too (typed by its layout).
     moved = [a if d is None else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims)]
     batched = tuple(d is not None for d in dims)
-    members = functools.partial(members_p.bind, inner_params=tuple(sorted(params.items())), batched=batched, depth=1)
-    if explicitly_typed(moved):
-        outs = map_members(lambda *ops: fused_matmul_p.bind(*ops, **params), moved, batched, per_device=members)
-    else:
-        outs = members(*moved)
+    outs = members_p.bind(*moved, inner_params=tuple(sorted(params.items())), batched=batched, depth=1)
     return outs, [0] * len(outs)
 
 
@@ -493,7 +486,8 @@ def _members_abstract_eval(*avals, inner_params, batched, depth, partitioned=Fal
     del partitioned
     lead = next(a.shape[:depth] for a, b in zip(avals, batched) if b)
     outs, _ = fused_matmul_p.abstract_eval(*_one_member(avals, batched, depth), **dict(inner_params))
-    return [shaped_like(o, (*lead, *o.shape), o.dtype) for o in outs]
+    layout = _members_layout(avals, inner_params=inner_params, batched=batched, depth=depth)
+    return typed(layout, avals, [((*lead, *o.shape), o.dtype) for o in outs])
 
 
 def _members_layout(avals, *, inner_params, batched, depth) -> Layout:
@@ -522,13 +516,6 @@ def _members_batch(args, dims, *, inner_params, batched, depth, partitioned=Fals
     other becomes an outer member dimension (an ensemble of ensembles), the operands it
     or the members leave out broadcast along it: each stays split as it arrives."""
     del partitioned
-    if explicitly_typed(args):
-        # A members_p that map_members bound in its shard_map, under a vmap over explicitly
-        # split operands: a loop (``lax.map`` is batched along another dimension than
-        # the one it maps, which the split types allow), as map_members' own loop would be.
-        loop = functools.partial(_member_loop, inner_params=inner_params, batched=batched, depth=depth)
-        outs = jax.vmap(loop, in_axes=tuple(dims))(*args)
-        return outs, [0] * len(outs)
     params = {"inner_params": inner_params}
     unmapped = [
         jax.core.ShapedArray(np.delete(a.shape, [d] if d is not None else []), a.dtype)
@@ -539,16 +526,15 @@ def _members_batch(args, dims, *, inner_params, batched, depth, partitioned=Fals
     rows, results = layout.rows[0], len(fused_matmul_p.abstract_eval(*one, **dict(inner_params))[0])
     new_rows_only = all((d is not None) == (i in rows) for i, d in enumerate(dims))
     if new_rows_only and not layout.summed and len(layout.rows[1]) == results:
-        size, per = args[rows[0]].shape[dims[rows[0]]], one[rows[0]].shape[0]
-        folded = []
-        for a, d, b in zip(args, dims, batched):
-            if d is not None:  # the new axis just before the rows (after any member dimensions), merged
-                at = depth if b else 0
-                a = jnp.moveaxis(a, d, at)
-                a = a.reshape(*a.shape[:at], size * per, *a.shape[at + 2 :])
-            folded.append(a)
-        outs = members_p.bind(*folded, **params, batched=batched, depth=depth)  # (*members, size * per, ...)
-        outs = [o.reshape(*o.shape[:depth], size, per, *o.shape[depth + 1 :]) for o in outs]
+        (row_operand,) = rows  # (x: its rows are the forward's only ones)
+        a, d, b = args[row_operand], dims[row_operand], batched[row_operand]
+        at = depth if b else 0  # where the rows sit, after any member dimensions
+        a = jnp.moveaxis(jnp.moveaxis(a, d, 0), at + 1, 1)  # (new, rows, *members, ...)
+        a, unfold = fold_rows(a, 2)  # (in the order explicit sharding allows)
+        folded = list(args)
+        folded[row_operand] = jnp.moveaxis(a, 0, at)
+        outs = members_p.bind(*folded, **params, batched=batched, depth=depth)  # (*members, new * rows, ...)
+        outs = [jnp.moveaxis(unfold(jnp.moveaxis(o, depth, 0)), (0, 1), (depth, depth + 1)) for o in outs]
         return outs, [depth] * len(outs)
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     lead = next(a.shape[:depth] for a, b in zip(unmapped, batched) if b)

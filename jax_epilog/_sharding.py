@@ -31,11 +31,10 @@ holds its own block), the primitive lowers directly: custom_partitioning adds no
 
 Under explicit sharding an array's type names its sharding: ``typed`` gives the
 primitives' results the types this rule makes, ``like`` gives each gradient its
-primal's type, ``fold_rows`` folds leading dimensions into the rows in an order such a
-type allows, and ``map_members`` binds ``members_p`` in a ``shard_map`` over the
-members' axes, which keeps them split (the types must say so at trace time), unless an
-operand is also split over another axis (then they are gathered for a loop and split
-again after).
+primal's type, and ``fold_rows`` folds leading dimensions into the rows in an order such a
+type allows. ``members_p`` is typed by the same rule with its member dimensions in front,
+so an ensemble on an explicit mesh lowers as it does elsewhere: whether its members are
+split, or replicated beside split rows or columns.
 """
 
 from __future__ import annotations
@@ -61,7 +60,7 @@ except ImportError:  # a jax without them: custom_partitioning decodes (and may 
     _XlaSharding = _parse_hlo_sharding = None
 
 __all__ = [
-    "Layout", "explicit_product", "explicitly_typed", "fold_rows", "like", "map_members", "member_loop",
+    "Layout", "explicit_product", "fold_rows", "like", "member_loop",
     "needs_transpose", "partitioned_lowering", "resharded_like", "shaped_like", "typed", "vary_alike",
 ]  # fmt: skip
 
@@ -419,49 +418,6 @@ def member_loop(fn, operands, batched, depth: int = 1) -> list:
         for o, b in zip(operands, batched)
     ]
     return [o.reshape(*lead, *o.shape[1:]) for o in jax.lax.map(lambda members: fn(*members), stacked)]
-
-
-def explicitly_typed(values) -> bool:
-    """Whether any of ``values`` has a type that names its sharding (explicit sharding)."""
-    return any(_explicit(getattr(jax.typeof(v), "sharding", None)) for v in values)
-
-
-def map_members(fn, operands, batched, per_device):
-    """``member_loop`` under explicit sharding (elsewhere the members' partitioning is
-    the lowering's: ``Layout.over_members``).
-
-    Members split over mesh axes stay split: each device runs its own, inside a
-    ``shard_map`` manual over those axes (``vmap`` has split every batched operand's
-    member dimension alike, and no shared operand over those axes; the primitives lower
-    directly there), by ``per_device(*its operands)``. Elsewhere ``fn`` runs once per
-    member, in ``member_loop``: where an operand is also split over another axis, the
-    members are gathered first (``lax.map`` refuses a split axis), each device loops over
-    every member, and the results are split over the members' axes again (the type
-    ``vmap`` gives them); and where no mesh axis splits the members."""
-
-    def local(*ops):
-        return member_loop(fn, ops, batched)
-
-    shardings = [getattr(jax.typeof(o), "sharding", None) for o in operands]
-    members = shardings[batched.index(True)]
-    axes = _axes(members, 0) if _explicit(members) else ()
-    if not axes:
-        return local(*operands)
-    used = {ax for s in shardings if _explicit(s) for d in range(len(s.spec)) for ax in _axes(s, d)}
-    if used - set(axes):
-        outs = local(*(_reshard_first(o, None) if b else o for o, b in zip(operands, batched)))
-        return [_reshard_first(o, axes) for o in outs]  # typed as vmap expects: members split
-    spec = PartitionSpec(axes)
-    in_specs = tuple(spec if b else PartitionSpec() for b in batched)
-    mapped = jax.shard_map(per_device, mesh=members.mesh, in_specs=in_specs, out_specs=spec, axis_names=set(axes))
-    return mapped(*operands)
-
-
-def _reshard_first(x, axes):
-    """``x`` with its first dimension split over ``axes`` (None: whole), the others as they are."""
-    sharding = jax.typeof(x).sharding
-    spec = (axes, *tuple(sharding.spec)[1:])
-    return jax.sharding.reshard(x, NamedSharding(sharding.mesh, PartitionSpec(*spec)))
 
 
 def needs_transpose(x, count: int) -> bool:

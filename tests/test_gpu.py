@@ -465,8 +465,8 @@ def test_explicit_sharding_on_the_gpu_runs_the_fused_path(rng, activation):
 
 def test_explicit_sharding_ensemble_runs_the_fused_path_per_member(rng):
     """vmap over the weights with the members split over an explicit mesh (of one GPU):
-    each device's members run inside shard_map (_sharding.map_members), the forward as
-    one batched custom call, with the oracle's numbers; the gradients keep the split."""
+    members_p, typed by its layout, runs each device's members' forward as one batched
+    custom call, with the oracle's numbers; the gradients keep the split."""
     from jax.sharding import AxisType, NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -477,7 +477,8 @@ def test_explicit_sharding_ensemble_runs_the_fused_path_per_member(rng):
     x, w, b = (jax.device_put(jnp.stack(a), NamedSharding(mesh, P("data"))) for a in zip(*members))
     layer = jax.vmap(lambda x, w, b: fused_dense(x, w, b, activation="gelu"))
     grad = jax.jit(jax.value_and_grad(lambda *a: jnp.sum(layer(*a).astype(jnp.float32) ** 2), argnums=(0, 1, 2)))
-    assert "shard_map" in str(jax.make_jaxpr(layer)(x, w, b)), "members not mapped per device"
+    jaxpr = str(jax.make_jaxpr(layer)(x, w, b))
+    assert "jax_epilog_members" in jaxpr and "shard_map" not in jaxpr
     text = grad.lower(x, w, b).as_text()
     assert text.count(f"@{TARGET_NAME}(") == 1 and "members = 3" in text, text  # the batched forward
     y = jax.jit(layer)(x, w, b)

@@ -263,20 +263,18 @@ def test_an_ensembles_gradient_batches_the_forward_and_leaves_the_weight_gradien
     assert "stablehlo.while" not in text
 
 
-@pytest.mark.parametrize("split", [True, False])
-def test_explicit_sharding_batches_each_devices_members_where_they_are_split(cublaslt_accepts, split):
-    """Under explicit sharding map_members' shard_map holds each device's members: one
-    batched call for them. Members not split over the mesh still loop (README)."""
-    mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,), devices=jax.devices("cpu")[:4])
-    spec = jax.sharding.PartitionSpec("data" if split else None)
-    args = [jax.device_put(a, jax.sharding.NamedSharding(mesh, spec)) for a in _stacked(_args(jnp.bfloat16), (0, 0, 0), members=8)]
+def test_explicit_sharding_binds_the_members_batched_call(cublaslt_accepts):
+    """Under explicit sharding an ensemble binds members_p itself (typed by its layout),
+    not a shard_map or a loop: on one device, one batched call (over several, each
+    device's members are one such call: test_sharding checks the types, blocks and
+    collectives there)."""
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,), devices=jax.devices("cpu")[:1])
+    args = [jax.device_put(a, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())) for a in _stacked(_args(jnp.bfloat16), (0, 0, 0), members=8)]
     with jax.set_mesh(mesh):
         text = _cuda_text(jax.vmap(functools.partial(op, activation="gelu")), *args)
-    if split:
-        (call,) = _calls(text)
-        assert "members = 2" in call and call.endswith("-> tensor<2x33x65xbf16>")  # each device's 2 of 8
-    else:  # (each member's call is partitioned later, by XLA: not in this text)
-        assert "members =" not in text and "stablehlo.while" in text
+    (call,) = _calls(text)
+    assert "members = 8" in call and call.endswith("-> tensor<8x33x65xbf16>")
+    assert "stablehlo.while" not in text
 
 
 def test_a_refused_batch_runs_one_fused_call_per_member_with_one_warning(monkeypatch):

@@ -842,20 +842,23 @@ def test_explicit_sharding_ensemble_differentiates_again(rng):
 
 
 @pytest.mark.parametrize(
-    "specs, kept",
+    "specs, per_member, y_spec",
     [
-        ((P("a"), P("a"), P("a")), True),  # "b" splits nothing: manual over both axes
-        ((P(("a", "b")), P(("a", "b")), P(("a", "b"))), True),
-        ((P("a", "b"), P("a"), P("a")), False),  # x's rows over "b": members gathered
-        ((P("a"), P("a", None, "b"), P("a", "b")), False),  # N over "b"
+        ((P("a"), P("a"), P("a")), (6, 10, 8), P("a", None, None)),  # "b" splits nothing
+        ((P(("a", "b")), P(("a", "b")), P(("a", "b"))), (6, 10, 8), P(("a", "b"), None, None)),
+        ((P("a", "b"), P("a"), P("a")), (3, 10, 8), P("a", "b", None)),  # each device's rows of its members
+        ((P("a"), P("a", None, "b"), P("a", "b")), (6, 10, 4), P("a", None, "b")),  # its columns (the aux cut)
+        ((P(None, "b"), P(), P()), (3, 10, 8), P(None, "b", None)),  # members whole, rows over "b"
+        ((P(), P(None, None, "b"), P(None, "b")), (6, 10, 4), P(None, None, "b")),  # members whole, N over "b"
     ],
-    ids=["members-a", "members-ab", "rows-b", "cols-b"],
+    ids=["members-a", "members-ab", "rows-b", "cols-b", "whole-rows-b", "whole-cols-b"],
 )
-def test_explicit_sharding_ensemble_on_a_two_axis_mesh(rng, specs, kept, partitioner):
-    """On a 2x2 mesh the members stay split where no operand is split over another axis
-    (a shard_map manual over the members' axes, no collective); else they are gathered
-    for the loop (lax.map refuses a split axis) and split again after. Values, types and
-    gradients as the expression's either way."""
+def test_explicit_sharding_ensemble_on_a_two_axis_mesh(rng, seen, specs, per_member, y_spec, partitioner):
+    """On a 2x2 explicit mesh the members, each member's rows and its N stay split as they
+    arrive (members_p typed by its layout: each device runs its own members on its own
+    block), members whole included: no gather in the forward (before, the members were
+    gathered for a loop wherever another axis split an operand, and members no axis split
+    looped). Values, types and gradients as the expression's."""
     m = mesh((2, 2), ("a", "b"), AxisType.Explicit)
     x, w, b = rng.standard_normal((8, 6, 10)), rng.standard_normal((8, 10, 8)) / 3, rng.standard_normal((8, 8))
     args = [put(m, a, *spec) for a, spec in zip((x, w, b), specs)]
@@ -864,12 +867,36 @@ def test_explicit_sharding_ensemble_on_a_two_axis_mesh(rng, specs, kept, partiti
     f = jax.jit(layer)
     y = f(*args)
     assert_near(y, plain(x, w, b))
-    assert jax.typeof(y).sharding.spec[0] == specs[0][0]  # typed as vmap expects, either way
-    gathers = collectives(f.lower(*args).compile().as_text())["all-gather"]
-    assert (gathers == 0) == kept, gathers
+    assert seen["dense"] == [per_member]
+    assert jax.typeof(y).sharding.spec == y_spec
+    assert collectives(f.lower(*args).compile().as_text())["all-gather"] == 0
+    assert "shard_map" not in str(jax.make_jaxpr(layer)(*args))
     loss = lambda f: lambda *a: jnp.sum(f(*a) ** 2)
     got = jax.jit(jax.grad(loss(layer), argnums=(0, 1, 2)))(*args)
     for g, want, primal in zip(got, jax.grad(loss(plain), argnums=(0, 1, 2))(x, w, b), args):
+        assert_near(g, want)
+        assert jax.typeof(g).sharding.spec == jax.typeof(primal).sharding.spec
+
+
+@pytest.mark.parametrize("x_spec", [P(None, "a"), P("b", "a"), P(None, "a", "b")], ids=["examples-whole", "examples-b", "rows-b"])
+def test_explicit_sharding_per_example_model_over_an_ensemble_keeps_every_split(rng, x_spec):
+    """A vmap of x alone over an ensemble split over "a": the examples fold into each
+    member's rows, in the order the types allow (a reshape refuses to merge a whole
+    dimension into a split one), so one members_p runs where a loop ran before; nothing
+    gathered; values, gradients and types as the expression's."""
+    m = mesh((2, 2), ("a", "b"), AxisType.Explicit)
+    x, w, b = rng.standard_normal((4, 4, 6, 10)), rng.standard_normal((4, 10, 8)) / 3, rng.standard_normal((4, 8))
+    args = [put(m, x, *x_spec), put(m, w, "a"), put(m, b, "a")]
+    model = jax.vmap(jax.vmap(functools.partial(fused_dense, activation="relu")), in_axes=(0, None, None))
+    plain = lambda x, w, b: act_fn("relu")(jnp.einsum("pemk,ekn->pemn", x, w) + b[:, None])
+    f = jax.jit(model)
+    y = f(*args)
+    assert_near(y, plain(x, w, b))
+    assert jax.typeof(y).sharding.spec == P(*x_spec, *[None] * (4 - len(x_spec)))
+    assert collectives(f.lower(*args).compile().as_text()) == NO_COLLECTIVES
+    loss = lambda f: lambda *a: jnp.sum(f(*a) ** 2)
+    got = jax.jit(jax.grad(loss(model), argnums=(0, 1, 2)))(*args)
+    for g, want, primal in zip(got, jax.grad(loss(plain), argnums=(0, 1, 2))(x, w, b), args, strict=True):
         assert_near(g, want)
         assert jax.typeof(g).sharding.spec == jax.typeof(primal).sharding.spec
 
@@ -894,9 +921,9 @@ def test_explicit_sharding_ensemble_beside_an_auto_axis_keeps_members_split(rng)
 
 def test_explicit_sharding_ensemble_of_ensembles_split_over_both_axes(rng):
     """vmap of an ensemble whose two member axes are split over both axes of an explicit
-    mesh: values, gradients and types as the expression's (before, the inner shard_map
-    named an axis the outer vmap had taken, and jax refused it; the members are gathered
-    for the inner loop: README)."""
+    mesh: one members_p over both, nothing gathered in the forward; values, gradients and
+    types as the expression's (before, the inner shard_map named an axis the outer vmap had
+    taken, and jax refused it; later the members were gathered for a loop)."""
     m = mesh((2, 2), ("a", "b"), AxisType.Explicit)
     x, w, b = rng.standard_normal((6, 10)), rng.standard_normal((2, 4, 10, 8)) / 3, rng.standard_normal((2, 4, 8))
     args = [put(m, x), put(m, w, "a", "b"), put(m, b, "a", "b")]
@@ -906,6 +933,7 @@ def test_explicit_sharding_ensemble_of_ensembles_split_over_both_axes(rng):
     y = jax.jit(nested)(*args)
     assert_near(y, plain(x, w, b))
     assert jax.typeof(y).sharding.spec[:2] == ("a", "b")
+    assert collectives(jax.jit(nested).lower(*args).compile().as_text()) == NO_COLLECTIVES
     loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))
     got = jax.jit(jax.grad(loss(nested), argnums=(0, 1, 2)))(*args)
     for g, want, primal in zip(got, jax.grad(loss(plain), argnums=(0, 1, 2))(x, w, b), args, strict=True):

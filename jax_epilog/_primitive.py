@@ -44,7 +44,6 @@ from ._epilogs import (
 from ._sharding import (
     Layout,
     fold_rows,
-    member_loop,
     partitioned_lowering,
     shaped_like,
     typed,
@@ -475,7 +474,14 @@ def _member_loop(*operands, inner_params, batched, depth, partitioned=False):
     each device looping over its own: vmap over an ensemble's weights, whose loop XLA
     would otherwise gather onto every device."""
     del partitioned
-    return member_loop(lambda *ops: fused_matmul_p.bind(*ops, **dict(inner_params)), operands, batched, depth)
+    lead = next(o.shape[:depth] for o, b in zip(operands, batched) if b)
+    size = math.prod(lead)
+    stacked = [
+        o.reshape(size, *o.shape[depth:]) if b else jnp.broadcast_to(o, (size, *o.shape))
+        for o, b in zip(operands, batched)
+    ]
+    outs = jax.lax.map(lambda ops: fused_matmul_p.bind(*ops, **dict(inner_params)), stacked)
+    return [o.reshape(*lead, *o.shape[1:]) for o in outs]
 
 
 def _one_member(avals, batched, depth):

@@ -60,7 +60,7 @@ except ImportError:  # a jax without them: custom_partitioning decodes (and may 
     _XlaSharding = _parse_hlo_sharding = None
 
 __all__ = [
-    "Layout", "explicit_product", "fold_rows", "like", "member_loop",
+    "Layout", "explicit_product", "fold_rows", "like",
     "needs_transpose", "partitioned_lowering", "resharded_like", "shaped_like", "typed", "vary_alike",
 ]  # fmt: skip
 
@@ -406,18 +406,6 @@ def fold_rows(x, count: int, order_of=None):
         return jnp.transpose(y, (*back, *range(count, y.ndim))) if moved else y
 
     return folded, unfold
-
-
-def member_loop(fn, operands, batched, depth: int = 1) -> list:
-    """``lax.map(fn)`` over the members (the first ``depth`` dimensions) of the ``batched``
-    operands, the others shared by every member; a list of stacked results."""
-    lead = next(o.shape[:depth] for o, b in zip(operands, batched) if b)
-    size = math.prod(lead)
-    stacked = [
-        o.reshape(size, *o.shape[depth:]) if b else jnp.broadcast_to(o, (size, *o.shape))
-        for o, b in zip(operands, batched)
-    ]
-    return [o.reshape(*lead, *o.shape[1:]) for o in jax.lax.map(lambda members: fn(*members), stacked)]
 
 
 def needs_transpose(x, count: int) -> bool:

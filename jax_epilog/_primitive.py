@@ -48,6 +48,7 @@ from ._sharding import (
     shaped_like,
     typed,
     vary_alike,
+    whole_leading,
 )
 
 __all__ = ["FastPathWarning", "MembersLoopWarning", "fused_gelu_input_grad", "fused_matmul", "fused_weight_grad"]
@@ -477,7 +478,7 @@ def _member_loop(*operands, inner_params, batched, depth, partitioned=False):
     lead = next(o.shape[:depth] for o, b in zip(operands, batched) if b)
     size = math.prod(lead)
     stacked = [
-        o.reshape(size, *o.shape[depth:]) if b else jnp.broadcast_to(o, (size, *o.shape))
+        whole_leading(o, depth).reshape(size, *o.shape[depth:]) if b else jnp.broadcast_to(o, (size, *o.shape))
         for o, b in zip(operands, batched)
     ]
     outs = jax.lax.map(lambda ops: fused_matmul_p.bind(*ops, **dict(inner_params)), stacked)

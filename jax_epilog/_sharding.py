@@ -60,8 +60,8 @@ except ImportError:  # a jax without them: custom_partitioning decodes (and may 
     _XlaSharding = _parse_hlo_sharding = None
 
 __all__ = [
-    "Layout", "explicit_product", "fold_rows", "like",
-    "needs_transpose", "partitioned_lowering", "resharded_like", "shaped_like", "typed", "vary_alike",
+    "Layout", "explicit_product", "fold_rows", "like", "needs_transpose", "partitioned_lowering",
+    "resharded_like", "shaped_like", "typed", "vary_alike", "whole_leading",
 ]  # fmt: skip
 
 
@@ -406,6 +406,16 @@ def fold_rows(x, count: int, order_of=None):
         return jnp.transpose(y, (*back, *range(count, y.ndim))) if moved else y
 
     return folded, unfold
+
+
+def whole_leading(x, count: int):
+    """``x`` with its first ``count`` dimensions whole where explicit sharding splits them
+    (``lax.map`` refuses to loop over a split dimension); elsewhere ``x``."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    if not _explicit(sharding) or not any(_axes(sharding, d) for d in range(count)):
+        return x
+    spec = (*[None] * count, *tuple(sharding.spec)[count:])
+    return jax.sharding.reshard(x, NamedSharding(sharding.mesh, PartitionSpec(*spec)))
 
 
 def needs_transpose(x, count: int) -> bool:

@@ -5,7 +5,9 @@
 #   training benchmark (fwd+bwd rows, transformer example), then the short tables.
 #   Everything is written to $OUT (8 files).
 # Knobs: TESTS (pytest arguments, default "-m gpu tests/": the GPU-marked tests),
-# SKIP_BENCH=1, FORWARD_LABELS (default "cmdbuf-off cmdbuf-on"), SKIP_TRAINING=1.
+# SKIP_BENCH=1, FORWARD_LABELS (default "cmdbuf-off cmdbuf-on"), SKIP_TRAINING=1,
+# PROBES (benchmarks.probes modules run after the tests, each with --out $OUT/<probe>;
+# e.g. PROBES="ensemble second_order"; their logs in $OUT/probes.log).
 # Time on the H200: the GPU-marked tests take ~35 s; the whole suite on the GPU (where every
 # fused_dense test runs the cuBLASLt path) took over 7 minutes (1244 tests: 98% in 420 s,
 # 2026-12-03 (o)), so under a 10-minute limit per call run it on its own: TESTS=tests/ SKIP_BENCH=1.
@@ -28,6 +30,11 @@ cat "$OUT/checks.txt"
 # shellcheck disable=SC2086
 python3 -m pytest -q -p no:cacheprovider ${TESTS:--m gpu tests/} >"$OUT/pytest.log" 2>&1 || status=1
 tail -n 15 "$OUT/pytest.log"
+
+for probe in ${PROBES:-}; do
+  python3 -m "benchmarks.probes.$probe" --out "$OUT/$probe" >>"$OUT/probes.log" 2>&1 || status=1
+  cat "$OUT/$probe"/*.md 2>/dev/null
+done
 
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   : >"$OUT/bench.log"

@@ -901,6 +901,26 @@ def test_explicit_sharding_per_example_model_over_an_ensemble_keeps_every_split(
         assert jax.typeof(g).sharding.spec == jax.typeof(primal).sharding.spec
 
 
+@pytest.mark.parametrize("split", ["members-b", "rows-b", "whole"])
+def test_explicit_sharding_ensemble_inside_a_shard_map_over_the_other_axis(rng, split):
+    """An ensemble inside a shard_map manual over "a" of a 2x2 explicit mesh, its members
+    (or each member's rows) split over "b": the primitive lowers directly there, XLA
+    gathering over "b", and the members' loop takes its members whole (lax.map refuses a
+    split axis). Values and gradients as the expression's."""
+    m = mesh((2, 2), ("a", "b"), AxisType.Explicit)
+    x, w, b = rng.standard_normal((2, 4, 6, 10)), rng.standard_normal((4, 10, 8)) / 3, rng.standard_normal((4, 8))
+    x_spec, w_spec = {"members-b": (("a", "b"), ("b",)), "rows-b": (("a", None, "b"), ()), "whole": (("a",), ())}[split]
+    args = [put(m, x, *x_spec), put(m, w, *w_spec), put(m, b, *w_spec)]
+    layer = jax.vmap(functools.partial(fused_dense, activation="gelu"))
+    f = jax.shard_map(lambda x, w, b: layer(x[0], w, b)[None], mesh=m, in_specs=(P("a"), P(), P()), out_specs=P("a"), axis_names={"a"})
+    plain = lambda x, w, b: act_fn("gelu")(jnp.einsum("semk,ekn->semn", x, w) + b[:, None])
+    assert_near(jax.jit(f)(*args), plain(x, w, b))
+    loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))
+    got = jax.jit(jax.grad(loss(f), argnums=(0, 1, 2)))(*args)
+    for g, want in zip(got, jax.grad(loss(plain), argnums=(0, 1, 2))(x, w, b), strict=True):
+        assert_near(g, want)
+
+
 def test_explicit_sharding_ensemble_beside_an_auto_axis_keeps_members_split(rng):
     """Members split over the explicit axis of a mesh whose other axis is Auto: each
     device loops over its own (a shard_map manual over that axis; before, the members

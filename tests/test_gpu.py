@@ -463,7 +463,7 @@ def test_explicit_sharding_on_the_gpu_runs_the_fused_path(rng, activation):
         assert jax.typeof(g).sharding.spec == jax.typeof(primal).sharding.spec
 
 
-def test_explicit_sharding_ensemble_runs_the_fused_path_per_member(rng):
+def test_explicit_sharding_ensemble_runs_one_batched_fused_call(rng):
     """vmap over the weights with the members split over an explicit mesh (of one GPU):
     members_p, typed by its layout, runs each device's members' forward as one batched
     custom call, with the oracle's numbers; the gradients keep the split."""

@@ -31,8 +31,8 @@ holds its own block), the primitive lowers directly: custom_partitioning adds no
 
 Under explicit sharding an array's type names its sharding: ``typed`` gives the
 primitives' results the types this rule makes, ``like`` gives each gradient its
-primal's type, and ``fold_rows`` folds leading dimensions into the rows in an order such a
-type allows. ``members_p`` is typed by the same rule with its member dimensions in front,
+primal's type, and ``fold_rows`` folds leading dimensions into the rows so that each
+device's rows are the ones it holds. ``members_p`` is typed by the same rule with its member dimensions in front,
 so an ensemble on an explicit mesh lowers as it does elsewhere: whether its members are
 split, or replicated beside split rows or columns.
 """
@@ -388,22 +388,47 @@ def fold_rows(x, count: int, order_of=None):
     """``x`` with its first ``count`` dimensions folded into one (a GEMM's rows), and the
     function that unfolds a result's first dimension back into them.
 
-    Under explicit sharding a reshape merges dimensions only where the split ones lead
-    (x of type (2, 8@seq, K) cannot become (16, K), but (8@seq, 2, K) becomes (16@seq, K)),
-    so split dimensions move to the front first and back after (two transposes); elsewhere
-    this is a reshape. ``order_of``: fold in the order that array's sharding asks for
-    instead (so that two operands' rows stay paired)."""
-    order = _split_first(x if order_of is None else order_of, count)
-    moved = order != tuple(range(count))
-    if moved:
-        x = jnp.transpose(x, (*order, *range(count, x.ndim)))
+    Elsewhere this is a reshape, as it is under explicit sharding where only the first of
+    those dimensions is split. Where a later one is split too (x of type (4@data, 8@seq, K),
+    or (2, 8@seq, K)), each split dimension is cut into its devices' blocks and its
+    devices' parts within them, the blocks moved to the front (a transpose) and everything
+    merged, so that each device's rows are the ones it holds (no communication) and the
+    rows are split over all those axes; the result unfolds the same way back. The rows'
+    order is then not x's, which nothing row by row can tell. ``order_of``: fold as that
+    array's sharding asks instead (so that two operands' rows stay paired)."""
     lead = x.shape[:count]
-    folded = x.reshape(math.prod(lead), *x.shape[count:])
-    back = tuple(int(i) for i in np.argsort(order))
+    axes = _leading_axes(x if order_of is None else order_of, count)
+    if axes is None or not any(axes[1:]):
+        return x.reshape(math.prod(lead), *x.shape[count:]), lambda y: y.reshape(*lead, *y.shape[1:])
+    mesh = jax.typeof(x if order_of is None else order_of).sharding.mesh
+    x = _resharded_leading(x, axes, mesh)
+    shape, spec, blocks, within = [], [], [], []
+    for n, a in zip(lead, axes):
+        if a:  # (the devices' blocks, each device's part)
+            blocks.append(len(shape))
+            shape.append(_size(mesh, a))
+            spec.append(a)
+        within.append(len(shape))
+        shape.append(n // _size(mesh, a))
+        spec.append(())
+    order = (*blocks, *within)
+    rows_axes = tuple(ax for a in axes for ax in a)
+
+    def reshaped(v, new_shape, lead_spec):  # the leading dimensions reshaped, the others kept
+        trailing = _spec_entries(v)[v.ndim - (len(new_shape) - len(lead_spec)) :]
+        return jax.lax.reshape(v, tuple(new_shape), out_sharding=_named(mesh, (*lead_spec, *trailing)))
+
+    tail = x.shape[count:]
+    expanded = reshaped(x, (*shape, *tail), spec)
+    moved = jnp.transpose(expanded, (*order, *range(len(shape), expanded.ndim)))
+    folded = reshaped(moved, (math.prod(lead), *tail), (rows_axes,))
 
     def unfold(y):
-        y = y.reshape(*lead, *y.shape[1:])
-        return jnp.transpose(y, (*back, *range(count, y.ndim))) if moved else y
+        y = _resharded_leading(y, (rows_axes,), mesh)
+        rest = y.shape[1:]
+        y = reshaped(y, (*(shape[i] for i in order), *rest), [spec[i] for i in order])
+        y = jnp.transpose(y, (*np.argsort(order).tolist(), *range(len(shape), y.ndim)))
+        return reshaped(y, (*lead, *rest), axes)
 
     return folded, unfold
 
@@ -420,17 +445,35 @@ def whole_leading(x, count: int):
 
 def needs_transpose(x, count: int) -> bool:
     """Whether ``fold_rows(x, count)`` transposes ``x`` (explicit sharding splits one of
-    those dimensions after one it leaves whole)."""
-    return _split_first(x, count) != tuple(range(count))
+    those dimensions after the first)."""
+    axes = _leading_axes(x, count)
+    return axes is not None and any(axes[1:])
 
 
-def _split_first(x, count: int) -> tuple[int, ...]:
-    dims = tuple(range(count))
+def _leading_axes(x, count: int) -> tuple[tuple[str, ...], ...] | None:
+    """The mesh axes that split each of ``x``'s first ``count`` dimensions, where its type
+    names its sharding (explicit sharding); else None."""
     sharding = getattr(jax.typeof(x), "sharding", None)
-    if count < 2 or not _explicit(sharding):
-        return dims
-    split = tuple(d for d in dims if _axes(sharding, d))
-    return (*split, *(d for d in dims if d not in split))
+    return tuple(_axes(sharding, d) for d in range(count)) if _explicit(sharding) else None
+
+
+def _spec_entries(x) -> tuple[tuple[str, ...], ...]:
+    """Each dimension's mesh axes in ``x``'s explicit type."""
+    sharding = jax.typeof(x).sharding
+    return tuple(_axes(sharding, d) for d in range(x.ndim))
+
+
+def _named(mesh, entries) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec(*(None if not a else a[0] if len(a) == 1 else a for a in entries)))
+
+
+def _resharded_leading(x, axes, mesh):
+    """``x`` with its leading dimensions split over ``axes`` (one entry a dimension), the
+    others as they are: a no-op where they already are."""
+    entries = _spec_entries(x)
+    if entries[: len(axes)] == tuple(axes):
+        return x
+    return jax.sharding.reshard(x, _named(mesh, (*axes, *entries[len(axes) :])))
 
 
 def _explicit(sharding) -> bool:

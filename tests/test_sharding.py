@@ -774,6 +774,71 @@ def test_explicit_sharding_of_a_sequence_axis(rng, seen, implementation, activat
     assert set(seen["dense"]) == ({(6, 10, 7)} if implementation == "cublaslt" else set())
 
 
+@pytest.mark.parametrize(
+    "spec",
+    [P("a"), P(None, "a"), P("a", "b"), P("b", "a"), P(None, "a", "b"), P("a", None, "b"), P(None, ("a", "b"))],
+    ids=["a..", ".a.", "ab.", "ba.", ".ab", "a.b", ".(ab)."],
+)
+def test_fold_rows_keeps_each_devices_rows_on_it(rng, spec):
+    """fold_rows over three leading dimensions (4, 6, 2 of them split over a 2x2 explicit
+    mesh as ``spec`` says): the rows split over every axis that split them, no collective
+    either way, and the unfolded value x again, in x's type."""
+    m = mesh((2, 2), ("a", "b"), AxisType.Explicit)
+    x = put(m, rng.standard_normal((4, 4, 6, 3)), *spec)
+
+    def fold(x):
+        rows, unfold = _sharding.fold_rows(x, 3)
+        return rows, unfold(rows * 2)
+
+    f = jax.jit(fold)
+    rows, back = f(x)
+    axes = tuple(a for entry in spec if entry for a in ((entry,) if isinstance(entry, str) else entry))
+    assert rows.shape == (96, 3) and tuple(jax.typeof(rows).sharding.spec)[:1] == ((axes[0] if len(axes) == 1 else axes),)
+    np.testing.assert_array_equal(np.asarray(back), 2 * np.asarray(x))
+    assert jax.typeof(back).sharding.spec == jax.typeof(x).sharding.spec
+    assert collectives(f.lower(x).compile().as_text()) == NO_COLLECTIVES
+    assert sorted(np.asarray(rows).ravel()) == sorted(np.asarray(x).ravel())
+
+
+@pytest.mark.parametrize("implementation", ["auto", "cublaslt"])
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_explicit_sharding_of_batch_and_sequence_axes(rng, seen, implementation, activation):
+    """x of type (4@data, 8@seq, K), two examples a device: the op folds each device's
+    blocks into its own rows (before, a reshape merged the two splits into one over
+    (data, seq), which needs an all-to-all, and a GELU gradient then raised; on a 2x4 mesh
+    the reshape raised). y and every gradient keep their primal's split, with no more
+    collectives than the plain expression's, fused_dense's and fused_mlp's (its linked
+    GELU backward)."""
+    m = mesh((2, 2), ("data", "seq"), AxisType.Explicit)
+    x, w, b = rng.standard_normal((4, 8, 10)), *operands(rng, 1, 10, 16)[1:]
+    w2 = operands(rng, 1, 16, 5)[1]
+    args = (put(m, x, "data", "seq"), put(m, w), put(m, b), put(m, w2))
+
+    def dense(x, w, b, w2):
+        return jax_epilog.fused_dense(x, w, b, activation=activation, implementation=implementation)
+
+    def mlp(x, w, b, w2):
+        return jax_epilog.fused_mlp(x, [(w, b), (w2, None)], [activation, None], implementation=implementation)
+
+    plain_dense = lambda x, w, b, w2: reference(x, w, b, activation)
+    plain_mlp = lambda x, w, b, w2: reference(reference(x, w, b, activation), w2, None, None)
+    loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))
+    for f, plain in ((dense, plain_dense), (mlp, plain_mlp)):
+        y = jax.jit(f)(*args)
+        assert_near(y, plain(x, w, b, w2))
+        assert jax.typeof(y).sharding.spec == P("data", "seq", None)
+        grad = jax.jit(jax.grad(loss(f), argnums=(0, 1, 2, 3)))
+        for g, r, primal in zip(grad(*args), jax.grad(loss(plain), argnums=(0, 1, 2, 3))(x, w, b, w2), args, strict=True):
+            assert_near(g, r)
+            assert jax.typeof(g).sharding.spec == jax.typeof(primal).sharding.spec
+        want = collectives(jax.jit(jax.grad(loss(plain), argnums=(0, 1, 2, 3))).lower(*args).compile().as_text())
+        got = collectives(grad.lower(*args).compile().as_text())
+        assert all(got[op] <= want[op] for op in got), (got, want)
+        assert collectives(jax.jit(f).lower(*args).compile().as_text()) == NO_COLLECTIVES
+    if implementation == "cublaslt":
+        assert (8, 10, 16) in set(seen["dense"])  # each device's 2 x 4 rows
+
+
 def test_explicit_sharding_vmap_over_split_rows_with_shared_weights(rng, seen):
     """vmap with shared weights folds the batch into the GEMM's rows; with each member's
     rows split, they fold first. Also through fused_mlp's linked GELU backward."""
@@ -878,15 +943,18 @@ def test_explicit_sharding_ensemble_on_a_two_axis_mesh(rng, seen, specs, per_mem
         assert jax.typeof(g).sharding.spec == jax.typeof(primal).sharding.spec
 
 
-@pytest.mark.parametrize("x_spec", [P(None, "a"), P("b", "a"), P(None, "a", "b")], ids=["examples-whole", "examples-b", "rows-b"])
-def test_explicit_sharding_per_example_model_over_an_ensemble_keeps_every_split(rng, x_spec):
-    """A vmap of x alone over an ensemble split over "a": the examples fold into each
-    member's rows, in the order the types allow (a reshape refuses to merge a whole
-    dimension into a split one), so one members_p runs where a loop ran before; nothing
-    gathered; values, gradients and types as the expression's."""
+@pytest.mark.parametrize(
+    "x_spec, w_spec",
+    [(P(None, "a"), P("a")), (P("b", "a"), P("a")), (P(None, "a", "b"), P("a")), (P("a", None, "b"), P())],
+    ids=["examples-whole", "examples-b", "rows-b", "examples-a-rows-b"],
+)
+def test_explicit_sharding_per_example_model_over_an_ensemble_keeps_every_split(rng, x_spec, w_spec):
+    """A vmap of x alone over an ensemble: the examples fold into each member's rows,
+    where both are split too (two examples a device), so one members_p runs where a loop
+    ran before; nothing gathered; values, gradients and types as the expression's."""
     m = mesh((2, 2), ("a", "b"), AxisType.Explicit)
     x, w, b = rng.standard_normal((4, 4, 6, 10)), rng.standard_normal((4, 10, 8)) / 3, rng.standard_normal((4, 8))
-    args = [put(m, x, *x_spec), put(m, w, "a"), put(m, b, "a")]
+    args = [put(m, x, *x_spec), put(m, w, *w_spec), put(m, b, *w_spec)]
     model = jax.vmap(jax.vmap(functools.partial(fused_dense, activation="relu")), in_axes=(0, None, None))
     plain = lambda x, w, b: act_fn("relu")(jnp.einsum("pemk,ekn->pemn", x, w) + b[:, None])
     f = jax.jit(model)

@@ -327,7 +327,7 @@ mlir.register_lowering(
 def _wgrad_cuda_lowering(ctx, x, dz, *, compute_type, d_dtype):
     x_aval, dz_aval = ctx.avals_in
     (m, k), n = x_aval.shape, dz_aval.shape[1]
-    params = dict(compute_type=compute_type, d_dtype=d_dtype)
+    params = {"compute_type": compute_type, "d_dtype": d_dtype}
     spec = None
     # K = 1: cuBLASLt 13.1 plans a BGRADA GEMM with one output row but then refuses to
     # run it (CUBLAS_STATUS_INVALID_VALUE, measured on the H200), so XLA computes it.
@@ -415,7 +415,7 @@ def _igrad_cuda_lowering(ctx, dz, kernel, aux, *, compute_type):
     dz_aval, k_aval, aux_aval = ctx.avals_in
     (m, n), k = dz_aval.shape, k_aval.shape[0]
     spec = None
-    params = dict(compute_type=compute_type)
+    params = {"compute_type": compute_type}
     # n = 1 is a GEMM with an inner dimension of 1, which nvmath refuses for DGELU epilogs;
     # m = 1 (one row) cuBLASLt 13.1 plans, then refuses at every launch (measured on the
     # H200). XLA computes both.

@@ -22,7 +22,7 @@ from ._epilogs import (
     valid_compute_types,
 )
 from ._primitive import fused_matmul, fused_weight_grad
-from ._sharding import fold_rows, like, needs_transpose
+from ._sharding import fold_rows, like
 
 __all__ = ["fused_dense"]
 
@@ -208,11 +208,10 @@ def fused_dense(
     m = math.prod(x.shape[:-1])
     if impl == "auto":
         # What XLA's expression cannot compute runs on cuBLASLt; a large layer runs the fused
-        # kernel's forward with XLA's derivatives (not where explicit sharding would have x
-        # transposed to fold its rows: not measured); everything else is XLA's expression.
+        # kernel's forward with XLA's derivatives; everything else is XLA's expression.
         if return_aux or ct not in _XLA_COMPUTE_TYPES:
             impl = "cublaslt"
-        elif _auto_fuses(act, dtype, m, n, k) and not needs_transpose(x, x.ndim - 1):
+        elif _auto_fuses(act, dtype, m, n, k):
             impl = "fused forward"
         else:
             impl = "xla"
@@ -226,6 +225,10 @@ def fused_dense(
     )
     if impl == "xla":
         return _plain(x, kernel, bias, config)  # the user's expression, leading dimensions and all
+    if impl == "fused forward" and x.ndim > 1:
+        # x's leading dimensions go to the op as they are: each device folds its own rows,
+        # however they are split (a reshape here would be partitioned first).
+        return _fused_forward_xla_derivatives(x, kernel, bias, config)
     x2, unfold = fold_rows(x, x.ndim - 1)
     if impl == "fused forward":
         return unfold(_fused_forward_xla_derivatives(x2, kernel, bias, config))

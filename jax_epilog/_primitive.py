@@ -84,37 +84,40 @@ def fused_matmul(x, kernel, bias, *, activation, with_aux, compute_type, d_dtype
 def _abstract_eval(*args, activation, with_aux, compute_type, d_dtype, out_dtype, partitioned=False):
     del compute_type, partitioned
     x, kernel = args[:2]
-    m, n = x.shape[0], kernel.shape[1]
-    results = [((m, n), out_dtype)]
+    lead, n = x.shape[:-1], kernel.shape[1]
+    results = [((*lead, n), out_dtype)]
     if with_aux:
-        results.append(((m, aux_padded_width(activation, n)), aux_dtype(activation, d_dtype)))
+        results.append(((*lead, aux_padded_width(activation, n)), aux_dtype(activation, d_dtype)))
     return typed(_layout(args, activation=activation, with_aux=with_aux), args, results)
 
 
 def _layout(args, *, activation, with_aux, **params) -> Layout:
-    """Over several devices: x's rows (M) split as they come, y and the aux split alike; N
-    split as the kernel's is (the bias and y alike, with or without an aux), the aux with
-    it where it is unpadded and, for ReLU's bits, each device's N a multiple of 8."""
+    """Over several devices: x's rows (M: its leading dimensions, each split as it comes)
+    split as they come, y and the aux split alike; N split as the kernel's is (the bias and
+    y alike, with or without an aux), the aux with it where it is unpadded and, for ReLU's
+    bits, each device's N a multiple of 8."""
     del params
-    has_bias, n = len(args) == 3, args[1].shape[1]
+    has_bias, n, row_dims = len(args) == 3, args[1].shape[1], args[0].ndim - 1
+    m = " ".join(f"m{i}" for i in range(row_dims)) if row_dims > 1 else "m"
 
     def rule(n_factor, aux_factor=None):
-        operands = f"m k, k {n_factor}" + f", {n_factor}" * has_bias
-        return f"{operands} -> m {n_factor}" + (f", m {aux_factor}" if aux_factor else "")
+        operands = f"{m} k, k {n_factor}" + f", {n_factor}" * has_bias
+        return f"{operands} -> {m} {n_factor}" + (f", {m} {aux_factor}" if aux_factor else "")
 
     operand_cols = {1: 1, 2: 0} if has_bias else {1: 1}
     if not with_aux:
-        return Layout(((0,), (0,)), (), (operand_cols, {0: 1}), rule("n"), whole=("k",))
+        return Layout(((0,), (0,)), (), (operand_cols, {0: 1}), rule("n"), whole=("k",), row_dims=row_dims)
     rows, cols = ((0,), (0, 1)), (operand_cols, {0: 1, 1: 1})
     relu = Activation(activation) is Activation.RELU
     if n % (128 if relu else 8):  # a padded aux cannot be cut along N: it stays whole
-        return Layout(rows, (), cols, rule("n", "a"), whole=("k", "a"), packed=((1, 0),))
+        return Layout(rows, (), cols, rule("n", "a"), whole=("k", "a"), packed=((1, 0),), row_dims=row_dims)
     if not relu:  # GELU: the aux is z itself, one factor for both
-        return Layout(rows, (), cols, rule("n", "n"), whole=("k",))
+        return Layout(rows, (), cols, rule("n", "n"), whole=("k",), row_dims=row_dims)
     # ReLU: the aux holds N/8 bytes, so N is the compound of the aux's bytes and 8 bits.
     return Layout(
-        rows, (), cols, rule("(a bits)", "a"), whole=("k", "bits"), factor_sizes=(("bits", 8),), packed=((1, 8),)
-    )
+        rows, (), cols, rule("(a bits)", "a"), whole=("k", "bits"), factor_sizes=(("bits", 8),), packed=((1, 8),),
+        row_dims=row_dims,
+    )  # fmt: skip
 
 
 fused_matmul_p.def_abstract_eval(_abstract_eval)
@@ -249,6 +252,36 @@ def _forward_spec(avals, *, activation, with_aux, compute_type, d_dtype, out_dty
     return spec_of(x_aval, k_aval, b_aval, activation, with_aux, compute_type, d_dtype)
 
 
+def _with_rows_folded(lowering, x_at=lambda params: 0, outs_at=lambda params: 0):
+    """``lowering`` (for an x whose rows are one dimension) for an x whose rows span its
+    leading dimensions from ``x_at(params)`` to its last (and every result's from
+    ``outs_at(params)``): each device folds the rows of the block it holds (a reshape),
+    lowers, and unfolds its results."""
+
+    def lower(ctx, *args, **params):
+        x_aval, start, at = ctx.avals_in[0], x_at(params), outs_at(params)
+        count = x_aval.ndim - 1 - start
+        if count == 1:
+            return lowering(ctx, *args, **params)
+
+        def folded(aval, i):
+            shape = aval.shape
+            return jax.core.ShapedArray((*shape[:i], math.prod(shape[i : i + count]), *shape[i + count :]), aval.dtype)
+
+        def reshaped(value, have, want):
+            sub = ctx.replace(avals_in=[have], avals_out=[want])
+            return mlir.lower_fun(lambda v: [v.reshape(want.shape)], multiple_results=True)(sub, value)[0]
+
+        plain = [jax.core.ShapedArray(a.shape, a.dtype) for a in (*ctx.avals_in, *ctx.avals_out)]
+        ins, outs = plain[: len(ctx.avals_in)], plain[len(ctx.avals_in) :]
+        flat_in, flat_outs = [folded(ins[0], start), *ins[1:]], [folded(a, at) for a in outs]
+        x = reshaped(args[0], ins[0], flat_in[0])
+        results = lowering(ctx.replace(avals_in=flat_in, avals_out=flat_outs), x, *args[1:], **params)
+        return [reshaped(r, f, a) for r, f, a in zip(results, flat_outs, outs)]
+
+    return lower
+
+
 def _cuda_lowering(ctx, x, kernel, *bias, **params):
     spec = _forward_spec(ctx.avals_in, **params)
 
@@ -261,7 +294,9 @@ def _cuda_lowering(ctx, x, kernel, *bias, **params):
     return _lower_fused_or_reference(ctx, (x, kernel, *bias), spec, _reference_lowering, params, fused)
 
 
-mlir.register_lowering(fused_matmul_p, partitioned_lowering(fused_matmul_p, _cuda_lowering, _layout), platform="cuda")
+mlir.register_lowering(
+    fused_matmul_p, partitioned_lowering(fused_matmul_p, _with_rows_folded(_cuda_lowering), _layout), platform="cuda"
+)
 # The custom call's handler, registered now: a program holding it may come from
 # elsewhere (``jax.export``) and never be lowered in this process.
 _ffi.ensure_registered()
@@ -608,6 +643,12 @@ mlir.register_lowering(
     members_p,
     partitioned_lowering(members_p, mlir.lower_fun(_member_loop, multiple_results=True), _members_layout),
 )
+_members_rows_at = {
+    "x_at": lambda params: params["depth"] if params["batched"][0] else 0,
+    "outs_at": lambda params: params["depth"],
+}
 mlir.register_lowering(
-    members_p, partitioned_lowering(members_p, _members_cuda_lowering, _members_layout), platform="cuda"
+    members_p,
+    partitioned_lowering(members_p, _with_rows_folded(_members_cuda_lowering, **_members_rows_at), _members_layout),
+    platform="cuda",
 )

@@ -4,7 +4,9 @@ XLA's partitioner cannot see into a custom call: left alone, it would gather eve
 onto every device and run the whole GEMM on each. So each primitive's lowering goes through
 ``jax.experimental.custom_partitioning`` with one rule for all of them:
 
-- an operand's rows (the GEMM's M: a batch of tokens) stay split the way they arrive;
+- an operand's rows (the GEMM's M: a batch of tokens) stay split the way they arrive,
+  also where they span several dimensions (the forward's x of shape (batch, seq, K):
+  ``Layout.row_dims``), each device folding its own block's;
 - the output features (N) stay split where the kernel (or, for the kernel gradient, dz)
   arrives split along N over mesh axes that do not split the rows: tensor parallelism's
   column-parallel layer. Each device then computes its own block of columns, with no
@@ -78,6 +80,10 @@ class Layout(NamedTuple):
     by ``factor_sizes``) for N; factors ``whole`` never split. ``members``: operands with
     ``depth`` leading member dimensions ("e0", "e1", ... in the rule; ``over_members``),
     every result then has them too, and the dimensions above sit ``depth`` further along.
+    ``row_dims``: how many leading dimensions (after any member dimensions) make up M in
+    the operands and results in ``rows`` (x of shape (batch, seq, K): two, "m0 m1" in the
+    rule; each may be split on its own); their other dimensions sit ``row_dims - 1``
+    further along than the indices above, which count one.
     """
 
     rows: tuple[tuple[int, ...], tuple[int, ...]]
@@ -89,6 +95,7 @@ class Layout(NamedTuple):
     packed: tuple[tuple[int, int], ...] = ()
     members: tuple[int, ...] = ()
     depth: int = 0
+    row_dims: int = 1
 
     def over_members(self, batched, depth: int = 1) -> Layout:
         """This layout for the primitive run once per member of an ensemble: the
@@ -102,14 +109,20 @@ class Layout(NamedTuple):
 
 
 class Split(NamedTuple):
-    """The mesh axes that split M and N for one call (() where whole), the results in
-    ``Layout.cols`` that stay whole along N (the operands' N is then gathered: each device
-    computes every column and keeps its own), and those that split each member dimension."""
+    """The mesh axes that split each of M's dimensions and N for one call (() where
+    whole), the results in ``Layout.cols`` that stay whole along N (the operands' N is then
+    gathered: each device computes every column and keeps its own), and those that split
+    each member dimension."""
 
-    rows: tuple[str, ...]
+    rows: tuple[tuple[str, ...], ...]
     cols: tuple[str, ...]
     whole: tuple[int, ...] = ()
     members: tuple[tuple[str, ...], ...] = ()
+
+    @property
+    def row_axes(self) -> tuple[str, ...]:
+        """Every mesh axis that splits M."""
+        return tuple(a for axes in self.rows for a in axes)
 
 
 def partitioned_lowering(primitive, direct, layout_of):
@@ -162,12 +175,12 @@ def _partitioned(primitive, params: dict, layout: Layout):
             outs = list(local(*args))
             for i, dim in layout.cols[1].items() if split.cols else ():
                 if i not in split.whole:
-                    dim += _offset(layout, 1, i)
+                    dim += _offset(layout, 1, i) + _extra_rows(layout, 1, i)
                     share = result_shapes[i].shape[dim] // _size(mesh, split.cols)
                     outs[i] = _own_columns(outs[i], dim, share, split)
-            if not split.rows:
+            if not split.row_axes:
                 return outs
-            return [jax.lax.psum(o, split.rows) if i in layout.summed else o for i, o in enumerate(outs)]
+            return [jax.lax.psum(o, split.row_axes) if i in layout.summed else o for i, o in enumerate(outs)]
 
         return mesh, lower, out_shardings, arg_shardings
 
@@ -229,12 +242,16 @@ def _split(layout: Layout, mesh, shapes, shardings) -> Split:
         taken += members[-1]
     members = tuple(members)
     first = layout.rows[0][0]
-    rows = axes(first, _offset(layout, 0, first), taken)
+    rows = []
+    for level in range(layout.row_dims):
+        rows.append(axes(first, _offset(layout, 0, first) + level, taken))
+        taken += rows[-1]
+    rows = tuple(rows)
     if not layout.cols[0]:
         return Split(rows, (), members=members)
     i, dim = next(iter(layout.cols[0].items()))
-    dim += _offset(layout, 0, i)
-    cols = axes(i, dim, taken + rows)
+    dim += _offset(layout, 0, i) + _extra_rows(layout, 0, i)
+    cols = axes(i, dim, taken)
     if not cols:
         return Split(rows, (), members=members)
     share = shapes[i][dim] // _size(mesh, cols)
@@ -244,6 +261,11 @@ def _split(layout: Layout, mesh, shapes, shardings) -> Split:
 def _offset(layout: Layout, side: int, i: int) -> int:
     """How many member dimensions operand (side 0) or result (side 1) ``i`` leads with."""
     return layout.depth if side == 1 or i in layout.members else 0
+
+
+def _extra_rows(layout: Layout, side: int, i: int) -> int:
+    """How many more dimensions than one M takes in operand (side 0) or result (side 1) ``i``."""
+    return layout.row_dims - 1 if i in layout.rows[side] else 0
 
 
 def _own_columns(result, dim: int, share: int, split: Split):
@@ -273,12 +295,14 @@ def _dims(layout: Layout, side: int, i: int, split: Split) -> dict[int, tuple[st
     for level, axes in enumerate(split.members[:offset]):
         if axes:
             dims[level] = axes
-    if i in layout.rows[side] and split.rows:
-        dims[offset] = split.rows
+    if i in layout.rows[side]:
+        for level, axes in enumerate(split.rows):
+            if axes:
+                dims[offset + level] = axes
     # A result that stays whole along N has every device compute every column.
     whole = bool(split.whole) if side == 0 else i in split.whole
     if i in layout.cols[side] and split.cols and not whole:
-        dims[layout.cols[side][i] + offset] = split.cols
+        dims[layout.cols[side][i] + offset + _extra_rows(layout, side, i)] = split.cols
     return dims
 
 

@@ -489,6 +489,29 @@ def test_explicit_sharding_ensemble_runs_one_batched_fused_call(rng):
     assert all(jax.typeof(g).sharding.spec[0] == "data" for g in grads)
 
 
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_autos_fused_forward_on_leading_dimensions_matches_the_oracle(rng, monkeypatch, activation):
+    """"auto"'s fused forward on x of shape (3, 11, K), whose rows the lowering folds around
+    one custom call: y is the oracle's, and its gradients the expression's."""
+    from jax_epilog import _dense
+    from jax_epilog._ffi import TARGET_NAME
+
+    monkeypatch.setattr(_dense, "_auto_fuses", lambda *args: True)
+    x, w, b = _inputs(rng, 33, 129, 65, "bfloat16")
+    x = x.reshape(3, 11, 129)
+    layer = jax.jit(lambda x, w, b: fused_dense(x, w, b, activation=activation))
+    assert layer.lower(x, w, b).as_text().count(f"@{TARGET_NAME}(") == 1
+    y = layer(x, w, b)
+    assert y.shape == (3, 11, 65)
+    _assert_close(y.reshape(33, 65), _oracle(x.reshape(33, 129), w, b, activation)[0], TOL["bfloat16"])
+    act = jax.nn.relu if activation == "relu" else functools.partial(jax.nn.gelu, approximate=True)
+    f32 = [a.astype(jnp.float32) for a in (x, w, b)]
+    loss = lambda f: lambda *a: jnp.sum(f(*a).astype(jnp.float32))
+    got = jax.jit(jax.grad(loss(lambda *a: fused_dense(*a, activation=activation)), argnums=(0, 1, 2)))(x, w, b)
+    for g, want in zip(got, jax.grad(loss(lambda x, w, b: act(x @ w + b)), argnums=(0, 1, 2))(*f32), strict=True):
+        _assert_close(g, want, TOL["bfloat16"])
+
+
 def test_inside_shard_map_the_fused_path_runs_and_differentiates(rng):
     """A shard_map over a mesh of one GPU: the primitives lower directly to our custom
     calls (the forward and BGRADA), typed as varying over the manual axis, and the weight

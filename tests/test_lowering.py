@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from helpers import ENSEMBLES, act_fn
 
+import jax_epilog
 from jax_epilog import EXPORT_CHECKS, FastPathWarning, MembersLoopWarning, _primitive, fused_dense, fused_mlp
 
 TARGET = "jax_epilog_fused_matmul"
@@ -206,6 +207,23 @@ def test_inside_shard_map_the_fused_calls_lower_and_the_weight_gradients_sum(cub
     assert text.count("stablehlo.all_reduce") == 3
 
 
+
+
+@pytest.mark.parametrize("ensemble", [False, True])
+def test_autos_fused_forward_folds_its_leading_dimensions_in_the_lowering(cublaslt_accepts, monkeypatch, ensemble):
+    """x of shape (3, 11, K) reaches "auto"'s fused forward whole (so that each device folds
+    its own rows): the lowering folds the rows around one call of m = 33 rows (per member
+    for an ensemble's batched call) and unfolds y after."""
+    monkeypatch.setattr(jax_epilog._dense, "_auto_fuses", lambda *args: True)
+    x, w, b = _args(jnp.bfloat16)
+    x = jnp.ones((3, 11, x.shape[1]), x.dtype)
+    layer = functools.partial(fused_dense, activation="gelu")
+    if ensemble:
+        layer, (w, b) = jax.vmap(layer, in_axes=(None, 0, 0)), _stacked((w, b), (0, 0), members=4)
+    assert "bf16[33,129]" not in str(jax.make_jaxpr(layer)(x, w, b))  # no fold before the op
+    (call,) = _calls(_cuda_text(layer, x, w, b))
+    assert "m = 33" in call and call.endswith("-> tensor<4x33x65xbf16>" if ensemble else "-> tensor<33x65xbf16>")
+    assert jax.jit(layer)(x, w, b).shape == ((4,) if ensemble else ()) + (3, 11, 65)
 
 
 def _stacked(args, in_axes, members=3):

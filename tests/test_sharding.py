@@ -52,7 +52,7 @@ def seen(monkeypatch):
         original = getattr(_reference, name)
 
         def wrapper(a, b, *args, **kwargs):
-            shapes[name].append((a.shape[0], a.shape[1], b.shape[1]))
+            shapes[name].append((math.prod(a.shape[:-1]), a.shape[-1], b.shape[-1]))  # (rows folded)
             return original(a, b, *args, **kwargs)
 
         monkeypatch.setattr(_reference, name, wrapper)
@@ -251,7 +251,7 @@ def test_relu_bits_split_only_by_whole_bytes(devices, n, whole):
     layout = _primitive._layout((x, w), activation="relu", with_aux=True)
     shardings = [NamedSharding(abstract, P()), NamedSharding(abstract, P(None, "model"))]
     split = _sharding._split(layout, abstract, [x.shape, w.shape], shardings)
-    assert split == _sharding.Split((), ("model",), whole)
+    assert split == _sharding.Split(((),), ("model",), whole)
 
 
 def run_in_a_fresh_process(devices: int, script: str, partitioner_name: str, rng) -> None:
@@ -772,6 +772,33 @@ def test_explicit_sharding_of_a_sequence_axis(rng, seen, implementation, activat
         assert jax.typeof(g).sharding.spec == jax.typeof(primal).sharding.spec
     # the op's own per-device forward (XLA's expression has none): 3 x 2 rows on each device
     assert set(seen["dense"]) == ({(6, 10, 7)} if implementation == "cublaslt" else set())
+
+
+@pytest.mark.parametrize(
+    "spec, rows", [(P(None, "seq"), 16), (P("data", "seq"), 8), (P(("data", "seq")), 8)], ids=["seq", "data-seq", "data+seq"]
+)
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_auto_fused_forward_keeps_a_split_sequence(rng, seen, monkeypatch, partitioner, spec, rows, activation):
+    """Under automatic sharding "auto"'s fused forward takes x with its leading dimensions,
+    so each device runs its own (batch, sequence) block, however the two are split: no
+    collective, y split as the expression's, the same gradients (before, x was folded into
+    rows by a reshape that XLA partitioned first: it gathered the sequence, and every
+    device computed all of its batch's rows)."""
+    monkeypatch.setattr(jax_epilog._dense, "_auto_fuses", lambda *args: True)  # (a small layer, fused)
+    m = mesh((2, 2), ("data", "seq"))
+    x, w, b = rng.standard_normal((4, 8, 10)), *operands(rng, 1, 10, 16)[1:]
+    args = (put(m, x, *spec), put(m, w), put(m, b))
+    layer = functools.partial(jax_epilog.fused_dense, activation=activation)
+    plain = lambda x, w, b: reference(x, w, b, activation)
+    f = jax.jit(layer)
+    y = f(*args)
+    assert_near(y, plain(x, w, b))
+    assert y.sharding.spec == jax.jit(plain)(*args).sharding.spec
+    assert collectives(f.lower(*args).compile().as_text()) == NO_COLLECTIVES
+    assert seen["dense"] == [(rows, 10, 16)]  # each device's own rows
+    loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))
+    for g, want in zip(jax.jit(jax.grad(loss(layer), argnums=(0, 1, 2)))(*args), jax.grad(loss(plain), argnums=(0, 1, 2))(x, w, b)):
+        assert_near(g, want)
 
 
 @pytest.mark.parametrize(

@@ -307,10 +307,9 @@ def _batch(args, dims, **params):
     x_dim, k_dim, *b_dims = dims
     not_mapped = None  # batching.not_mapped
     if k_dim is not_mapped and all(d is not_mapped for d in b_dims):
-        # Shared weights: fold the batch into the GEMM's rows, one call.
-        rows, unfold = fold_rows(jnp.moveaxis(x, x_dim, 0), 2)
-        outs = fused_matmul_p.bind(rows, kernel, *bias, **params)
-        return [unfold(o) for o in outs], [0] * len(outs)
+        # Shared weights: the batch is one more leading dimension of the rows, one call.
+        outs = fused_matmul_p.bind(jnp.moveaxis(x, x_dim, 0), kernel, *bias, **params)
+        return outs, [0] * len(outs)
     # Batched weights (an ensemble): members_p (on a GPU one batched GEMM), whose members
     # split over devices stay split, under explicit sharding too (typed by its layout).
     moved = [a if d is None else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims)]
@@ -553,8 +552,9 @@ def _members_jvp(primals, tangents, *, inner_params, batched, depth, partitioned
 
 def _members_batch(args, dims, *, inner_params, batched, depth, partitioned=False):
     """A vmap of an ensemble. A new axis on the operands that hold the forward's rows only
-    (whether members' or shared) folds into those rows, where no result sums over them:
-    one ``members_p`` call, split as before (a per-example model over an ensemble). Any
+    (whether members' or shared) becomes one more leading dimension of those rows, where no
+    result sums over them: one ``members_p`` call, each dimension split as it arrives (a
+    per-example model over an ensemble). Any
     other becomes an outer member dimension (an ensemble of ensembles), the operands it
     or the members leave out broadcast along it: each stays split as it arrives."""
     del partitioned
@@ -570,13 +570,9 @@ def _members_batch(args, dims, *, inner_params, batched, depth, partitioned=Fals
     if new_rows_only and not layout.summed and len(layout.rows[1]) == results:
         (row_operand,) = rows  # (x: its rows are the forward's only ones)
         a, d, b = args[row_operand], dims[row_operand], batched[row_operand]
-        at = depth if b else 0  # where the rows sit, after any member dimensions
-        a = jnp.moveaxis(jnp.moveaxis(a, d, 0), at + 1, 1)  # (new, rows, *members, ...)
-        a, unfold = fold_rows(a, 2)  # (in the order explicit sharding allows)
-        folded = list(args)
-        folded[row_operand] = jnp.moveaxis(a, 0, at)
-        outs = members_p.bind(*folded, **params, batched=batched, depth=depth)  # (*members, new * rows, ...)
-        outs = [jnp.moveaxis(unfold(jnp.moveaxis(o, depth, 0)), (0, 1), (depth, depth + 1)) for o in outs]
+        moved = list(args)  # the new axis leads the rows (after any member dimensions)
+        moved[row_operand] = jnp.moveaxis(a, d, depth if b else 0)
+        outs = members_p.bind(*moved, **params, batched=batched, depth=depth)  # (*members, new, rows..., ...)
         return outs, [depth] * len(outs)
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     lead = next(a.shape[:depth] for a, b in zip(unmapped, batched) if b)

@@ -34,9 +34,9 @@ holds its own block), the primitive lowers directly: custom_partitioning adds no
 Under explicit sharding an array's type names its sharding: ``typed`` gives the
 primitives' results the types this rule makes, ``like`` gives each gradient its
 primal's type, and ``fold_rows`` folds leading dimensions into the rows so that each
-device's rows are the ones it holds. ``members_p`` is typed by the same rule with its member dimensions in front,
-so an ensemble on an explicit mesh lowers as it does elsewhere: whether its members are
-split, or replicated beside split rows or columns.
+device's rows are the ones it holds. ``members_p`` is typed by the same rule with its
+member dimensions in front, so an ensemble on an explicit mesh lowers as it does
+elsewhere: whether its members are split, or replicated beside split rows or columns.
 """
 
 from __future__ import annotations

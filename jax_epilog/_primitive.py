@@ -252,14 +252,14 @@ def _forward_spec(avals, *, activation, with_aux, compute_type, d_dtype, out_dty
     return spec_of(x_aval, k_aval, b_aval, activation, with_aux, compute_type, d_dtype)
 
 
-def _with_rows_folded(lowering, x_at=lambda params: 0, outs_at=lambda params: 0):
+def _with_rows_folded(lowering, row_starts=lambda params: (0, 0)):
     """``lowering`` (for an x whose rows are one dimension) for an x whose rows span its
-    leading dimensions from ``x_at(params)`` to its last (and every result's from
-    ``outs_at(params)``): each device folds the rows of the block it holds (a reshape),
+    dimensions from the first of ``row_starts(params)`` to its last (and every result's
+    from the second): each device folds the rows of the block it holds (a reshape),
     lowers, and unfolds its results."""
 
     def lower(ctx, *args, **params):
-        x_aval, start, at = ctx.avals_in[0], x_at(params), outs_at(params)
+        x_aval, (start, at) = ctx.avals_in[0], row_starts(params)
         count = x_aval.ndim - 1 - start
         if count == 1:
             return lowering(ctx, *args, **params)
@@ -554,9 +554,9 @@ def _members_batch(args, dims, *, inner_params, batched, depth, partitioned=Fals
     """A vmap of an ensemble. A new axis on the operands that hold the forward's rows only
     (whether members' or shared) becomes one more leading dimension of those rows, where no
     result sums over them: one ``members_p`` call, each dimension split as it arrives (a
-    per-example model over an ensemble). Any
-    other becomes an outer member dimension (an ensemble of ensembles), the operands it
-    or the members leave out broadcast along it: each stays split as it arrives."""
+    per-example model over an ensemble). Any other becomes an outer member dimension (an
+    ensemble of ensembles), the operands it or the members leave out broadcast along it:
+    each stays split as it arrives."""
     del partitioned
     params = {"inner_params": inner_params}
     unmapped = [
@@ -639,12 +639,15 @@ mlir.register_lowering(
     members_p,
     partitioned_lowering(members_p, mlir.lower_fun(_member_loop, multiple_results=True), _members_layout),
 )
-_members_rows_at = {
-    "x_at": lambda params: params["depth"] if params["batched"][0] else 0,
-    "outs_at": lambda params: params["depth"],
-}
+
+
+def _members_row_starts(params) -> tuple[int, int]:
+    """Where x's rows start (after its member dimensions, where it has them) and the results'."""
+    return (params["depth"] if params["batched"][0] else 0), params["depth"]
+
+
 mlir.register_lowering(
     members_p,
-    partitioned_lowering(members_p, _with_rows_folded(_members_cuda_lowering, **_members_rows_at), _members_layout),
+    partitioned_lowering(members_p, _with_rows_folded(_members_cuda_lowering, _members_row_starts), _members_layout),
     platform="cuda",
 )

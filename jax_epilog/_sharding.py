@@ -461,10 +461,7 @@ def whole_leading(x, count: int):
     """``x`` with its first ``count`` dimensions whole where explicit sharding splits them
     (``lax.map`` refuses to loop over a split dimension); elsewhere ``x``."""
     sharding = getattr(jax.typeof(x), "sharding", None)
-    if not _explicit(sharding) or not any(_axes(sharding, d) for d in range(count)):
-        return x
-    spec = (*[None] * count, *tuple(sharding.spec)[count:])
-    return jax.sharding.reshard(x, NamedSharding(sharding.mesh, PartitionSpec(*spec)))
+    return _resharded_leading(x, ((),) * count, sharding.mesh) if _explicit(sharding) else x
 
 
 def needs_transpose(x, count: int) -> bool:
@@ -477,8 +474,7 @@ def needs_transpose(x, count: int) -> bool:
 def _leading_axes(x, count: int) -> tuple[tuple[str, ...], ...] | None:
     """The mesh axes that split each of ``x``'s first ``count`` dimensions, where its type
     names its sharding (explicit sharding); else None."""
-    sharding = getattr(jax.typeof(x), "sharding", None)
-    return tuple(_axes(sharding, d) for d in range(count)) if _explicit(sharding) else None
+    return _spec_entries(x)[:count] if _explicit(getattr(jax.typeof(x), "sharding", None)) else None
 
 
 def _spec_entries(x) -> tuple[tuple[str, ...], ...]:
@@ -488,7 +484,8 @@ def _spec_entries(x) -> tuple[tuple[str, ...], ...]:
 
 
 def _named(mesh, entries) -> NamedSharding:
-    return NamedSharding(mesh, PartitionSpec(*(None if not a else a[0] if len(a) == 1 else a for a in entries)))
+    """``_sharding`` from each dimension's mesh axes (() where whole)."""
+    return _sharding(mesh, len(entries), {d: axes for d, axes in enumerate(entries) if axes})
 
 
 def _resharded_leading(x, axes, mesh):

@@ -87,7 +87,7 @@ def _weight_and_bias_grad(x, dz):
     """(x^T @ dz, sum(dz, 0)) from ONE GEMM: ``[x, 1, 0...]^T @ dz``, row K being the sums."""
     m, k = x.shape
     ones = jnp.zeros((m, ONES_PAD), x.dtype).at[:, 0].set(1)
-    both = _reference._matmul(jnp.concatenate([x, ones], axis=1), dz, (0, 0), CT)
+    both = _reference._matmul(jnp.concatenate([x, ones], axis=1), dz, ((0,), (0,)), CT)
     return both[:k].astype(x.dtype), both[k].astype(x.dtype)
 
 

@@ -22,7 +22,7 @@ from ._epilogs import (
     valid_compute_types,
 )
 from ._primitive import fused_matmul, fused_weight_grad
-from ._sharding import fold_rows, like
+from ._sharding import like
 
 __all__ = ["fused_dense"]
 
@@ -126,7 +126,7 @@ def fused_dense(
     """``act(x @ kernel + bias)`` as one cuBLASLt kernel on NVIDIA GPUs.
 
     Args:
-      x: (..., K) array; its leading dimensions fold into the GEMM's M.
+      x: (..., K) array; its leading dimensions are the GEMM's M.
       kernel: (K, N) array (Flax's layout), the same dtype as ``x``.
       bias: (N,) array or None, in ``x``'s dtype, or float32 when ``x`` is float16 or
         bfloat16.
@@ -225,17 +225,16 @@ def fused_dense(
     )
     if impl == "xla":
         return _plain(x, kernel, bias, config)  # the user's expression, leading dimensions and all
-    if impl == "fused forward" and x.ndim > 1:
-        # x's leading dimensions go to the op as they are: each device folds its own rows,
-        # however they are split (a reshape here would be partitioned first).
-        return _fused_forward_xla_derivatives(x, kernel, bias, config)
-    x2, unfold = fold_rows(x, x.ndim - 1)
+    # x goes to the op with its leading dimensions (one row: (1, K)): each device folds its
+    # own rows, however they are split (a reshape here would be partitioned first).
+    rows = x if x.ndim > 1 else x[None]
     if impl == "fused forward":
-        return unfold(_fused_forward_xla_derivatives(x2, kernel, bias, config))
-    y, aux = _dense(x2, kernel, bias, config)
-    if not return_aux:
-        return unfold(y)
-    return unfold(y), (None if aux is None else unfold(aux))
+        y, aux = _fused_forward_xla_derivatives(rows, kernel, bias, config), None
+    else:
+        y, aux = _dense(rows, kernel, bias, config)
+    if x.ndim == 1:
+        y, aux = y[0], (None if aux is None else aux[0])
+    return (y, aux) if return_aux else y
 
 
 _IMPLEMENTATIONS = ("auto", "cublaslt", "xla")
@@ -294,18 +293,18 @@ def _auto_fuses(activation: Activation | None, dtype: str, m: int, n: int, k: in
     return activation is not None and dtype in _AUTO_DTYPES and m >= 1024 and m * n * k >= 2**33
 
 
-def _plain(x2, kernel, bias, config: _Config):
+def _plain(x, kernel, bias, config: _Config):
     tf32 = config.compute_type is ComputeType.COMPUTE_32F_FAST_TF32
-    return _reference.plain(x2, kernel, bias, config.activation, tf32)
+    return _reference.plain(x, kernel, bias, config.activation, tf32)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
-def _fused_forward_xla_derivatives(x2, kernel, bias, config: _Config):
+def _fused_forward_xla_derivatives(x, kernel, bias, config: _Config):
     """The fused kernel when only the value is needed. Differentiated, in either mode, the
     plain expression with its own derivatives: under ``jax.grad`` XLA's autodiff (measured
     faster for fwd+bwd), and forward mode (``jax.jvp``, ``jax.jacfwd``, ``jax.hessian``)
     as for any jnp code."""
-    return _forward(x2, kernel, bias, config, with_aux=False)[0]
+    return _forward(x, kernel, bias, config, with_aux=False)[0]
 
 
 def _fxd_jvp(config: _Config, primals, tangents):
@@ -336,61 +335,61 @@ class _Config(NamedTuple):
     return_aux: bool
 
 
-def _forward(x2, kernel, bias, config: _Config, with_aux: bool):
+def _forward(x, kernel, bias, config: _Config, with_aux: bool):
     outs = fused_matmul(
-        x2,
+        x,
         kernel,
         bias,
         activation=config.activation,
         with_aux=with_aux,
         compute_type=config.compute_type,
         d_dtype=config.d_dtype,
-        out_dtype=x2.dtype,
+        out_dtype=x.dtype,
     )
     return outs[0], (outs[1] if len(outs) > 1 else None)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _dense(x2, kernel, bias, config: _Config):
-    """(m, k) x2 -> (y, aux or None), differentiable in x2, kernel and bias."""
-    return _forward(x2, kernel, bias, config, with_aux=config.return_aux)
+def _dense(x, kernel, bias, config: _Config):
+    """(..., k) x -> (y, aux or None), differentiable in x, kernel and bias."""
+    return _forward(x, kernel, bias, config, with_aux=config.return_aux)
 
 
-def _dense_fwd(x2, kernel, bias, config: _Config):
+def _dense_fwd(x, kernel, bias, config: _Config):
     # The backward needs the aux (never z itself for ReLU: one bit per output), so the
     # forward always asks the epilog for it when there is an activation.
-    y, aux = _forward(x2, kernel, bias, config, with_aux=True)
-    return (y, aux if config.return_aux else None), (x2, kernel, bias, aux)
+    y, aux = _forward(x, kernel, bias, config, with_aux=True)
+    return (y, aux if config.return_aux else None), (x, kernel, bias, aux)
 
 
 def _dense_bwd(config: _Config, residuals, cotangents):
-    x2, kernel, bias, aux = residuals  # (the bias for its type only)
+    x, kernel, bias, aux = residuals  # (the bias for its type only)
     dy, daux = cotangents
     ct = config.compute_type
     dz_extra = None
     if config.activation is Activation.GELU and config.return_aux:
-        dz_extra = daux[:, : kernel.shape[1]]  # the GELU aux is z: its cotangent adds to dz
-    dz = _reference.output_grad(aux, dy, dz_extra, config.activation, ct, x2.dtype)
+        dz_extra = daux[..., : kernel.shape[1]]  # the GELU aux is z: its cotangent adds to dz
+    dz = _reference.output_grad(aux, dy, dz_extra, config.activation, ct, x.dtype)
     dx = _reference.input_grad(dz, kernel, ct)  # XLA's GEMM
-    dkernel, dbias = weight_grads(x2, dz, kernel, config.activation, ct, config.d_dtype, config.bias_dtype)
+    dkernel, dbias = weight_grads(x, dz, kernel, config.activation, ct, config.d_dtype, config.bias_dtype)
     # Under explicit sharding each gradient takes its primal's type (e.g. a kernel split
     # along N whose GEMM gathered it: FSDP, or an aux that cannot split).
-    return like(dx, x2), like(dkernel, kernel), (None if dbias is None else like(dbias, bias))
+    return like(dx, x), like(dkernel, kernel), (None if dbias is None else like(dbias, bias))
 
 
 _dense.defvjp(_dense_fwd, _dense_bwd)
 
 
-def weight_grads(x2, dz, kernel, activation, ct, d_dtype, bias_dtype, fused: bool = True):
-    """A layer's (dkernel, dbias or None) from its input and dz, in the kernel's and bias's
-    dtypes. Without a bias, a plain GEMM. With one (in ``d_dtype``: float32 beside a float32
+def weight_grads(x, dz, kernel, activation, ct, d_dtype, bias_dtype, fused: bool = True):
+    """A layer's (dkernel, dbias or None) from its input and dz (summed over their leading
+    dimensions, the rows), in the kernel's and bias's dtypes. Without a bias, a plain GEMM. With one (in ``d_dtype``: float32 beside a float32
     bias), ``fused``: one cuBLASLt GEMM whose epilog reduces dz (BGRADA), except for ReLU,
     whose are XLA's GEMM and a reduction of its own (measured faster: fused_dense's
     docstring); else XLA's."""
     if bias_dtype is None:
-        dkernel, dbias = _reference.weight_grad(x2, dz, ct, kernel.dtype, with_bias=False)
+        dkernel, dbias = _reference.weight_grad(x, dz, ct, kernel.dtype, with_bias=False)
     elif fused and activation is not Activation.RELU:
-        dkernel, dbias = fused_weight_grad(x2, dz, compute_type=ct, d_dtype=d_dtype)
+        dkernel, dbias = fused_weight_grad(x, dz, compute_type=ct, d_dtype=d_dtype)
     else:
-        dkernel, dbias = _reference.weight_grad(x2, dz, ct, d_dtype, with_bias=True)
+        dkernel, dbias = _reference.weight_grad(x, dz, ct, d_dtype, with_bias=True)
     return dkernel.astype(kernel.dtype), (None if dbias is None else dbias.astype(bias_dtype))

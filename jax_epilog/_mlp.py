@@ -37,7 +37,7 @@ from ._dense import (
 )
 from ._epilogs import Activation, ComputeType, aux_padded_width, known_sizes
 from ._primitive import fused_gelu_input_grad, fused_matmul
-from ._sharding import fold_rows, like, needs_transpose
+from ._sharding import like
 
 __all__ = ["fused_mlp"]
 
@@ -159,13 +159,8 @@ def fused_mlp(
     ks = [x.shape[-1], *(kernel.shape[1] for kernel, _ in layers)]
     gelu_feeds_a_layer = any(act is Activation.GELU for act, _, _ in checked[:-1])
     # "auto"'s cuBLASLt rules below hold in the dtypes they were measured in, and need the
-    # sizes (not symbolic ones: jax.export) and rows that fold without a transpose.
-    auto = (
-        impl == "auto"
-        and dtype in _AUTO_DTYPES
-        and known_sizes(m, *ks)
-        and not needs_transpose(x, x.ndim - 1)
-    )
+    # sizes (not symbolic ones: jax.export).
+    auto = impl == "auto" and dtype in _AUTO_DTYPES and known_sizes(m, *ks)
     link = gelu_feeds_a_layer and (impl == "cublaslt" or (auto and m >= _AUTO_LINK_MIN_ROWS))
     # With "auto", the large layers (_auto_fuses) whose fused backward measured faster than
     # XLA's autodiff in a block: GELU layers (linked, above), and ReLU layers whose output a
@@ -211,8 +206,9 @@ def fused_mlp(
     config = _Config(layers=tuple(configs), fused_wgrad=impl == "cublaslt")
     kernels = tuple(kernel for kernel, _ in layers)
     biases = tuple(bias for _, bias in layers)
-    x2, unfold = fold_rows(x, x.ndim - 1)
-    return unfold(_mlp(x2, kernels, biases, config))
+    if x.ndim == 1:  # one row: the op takes it as (1, K)
+        return _mlp(x[None], kernels, biases, config)[0]
+    return _mlp(x, kernels, biases, config)  # (each device folds its own rows, however they are split)
 
 
 def _pairs(layers, activations):
@@ -247,8 +243,8 @@ class _Config(NamedTuple):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _mlp(x2, kernels, biases, config: _Config):
-    return _mlp_fwd(x2, kernels, biases, config)[0]
+def _mlp(x, kernels, biases, config: _Config):
+    return _mlp_fwd(x, kernels, biases, config)[0]
 
 
 def _layer_forward(h, kernel, bias, layer: _Layer):
@@ -267,11 +263,11 @@ def _layer_forward(h, kernel, bias, layer: _Layer):
         return y, None  # ReLU's derivative is read from y > 0
     n = kernel.shape[1]
     aux = z.astype(layer.d_dtype)
-    return y, jnp.pad(aux, [(0, 0), (0, aux_padded_width(act, n) - n)])
+    return y, jnp.pad(aux, [(0, 0)] * (aux.ndim - 1) + [(0, aux_padded_width(act, n) - n)])
 
 
-def _mlp_fwd(x2, kernels, biases, config: _Config):
-    h, inputs, auxes = x2, [], []
+def _mlp_fwd(x, kernels, biases, config: _Config):
+    h, inputs, auxes = x, [], []
     for kernel, bias, layer in zip(kernels, biases, config.layers):
         inputs.append(h)
         h, aux = _layer_forward(h, kernel, bias, layer)

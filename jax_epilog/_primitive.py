@@ -43,7 +43,6 @@ from ._epilogs import (
 )
 from ._sharding import (
     Layout,
-    fold_rows,
     partitioned_lowering,
     shaped_like,
     typed,
@@ -69,7 +68,8 @@ fused_matmul_p.multiple_results = True
 
 
 def fused_matmul(x, kernel, bias, *, activation, with_aux, compute_type, d_dtype, out_dtype):
-    """(m, k) x, (k, n) kernel, (n,) bias or None -> [y] or [y, aux]."""
+    """(..., k) x, (k, n) kernel, (n,) bias or None -> [y] or [y, aux], each (..., width):
+    x's leading dimensions (at least one) are the GEMM's rows."""
     operands = (x, kernel) if bias is None else (x, kernel, bias)
     return fused_matmul_p.bind(
         *vary_alike(*operands),
@@ -98,7 +98,7 @@ def _layout(args, *, activation, with_aux, **params) -> Layout:
     bits, each device's N a multiple of 8."""
     del params
     has_bias, n, row_dims = len(args) == 3, args[1].shape[1], args[0].ndim - 1
-    m = " ".join(f"m{i}" for i in range(row_dims)) if row_dims > 1 else "m"
+    m = _row_factors(row_dims)
 
     def rule(n_factor, aux_factor=None):
         operands = f"{m} k, k {n_factor}" + f", {n_factor}" * has_bias
@@ -118,6 +118,11 @@ def _layout(args, *, activation, with_aux, **params) -> Layout:
         rows, (), cols, rule("(a bits)", "a"), whole=("k", "bits"), factor_sizes=(("bits", 8),), packed=((1, 8),),
         row_dims=row_dims,
     )  # fmt: skip
+
+
+def _row_factors(row_dims: int) -> str:
+    """M in a Shardy rule: "m", or one factor a leading dimension ("m0 m1")."""
+    return " ".join(f"m{i}" for i in range(row_dims)) if row_dims > 1 else "m"
 
 
 fused_matmul_p.def_abstract_eval(_abstract_eval)
@@ -252,31 +257,37 @@ def _forward_spec(avals, *, activation, with_aux, compute_type, d_dtype, out_dty
     return spec_of(x_aval, k_aval, b_aval, activation, with_aux, compute_type, d_dtype)
 
 
-def _with_rows_folded(lowering, row_starts=lambda params: (0, 0)):
-    """``lowering`` (for an x whose rows are one dimension) for an x whose rows span its
-    dimensions from the first of ``row_starts(params)`` to its last (and every result's
-    from the second): each device folds the rows of the block it holds (a reshape),
+def _with_rows_folded(lowering, layout_of):
+    """``lowering`` (for operands and results whose rows are one dimension) for those whose
+    rows span several (``Layout.row_dims`` of ``layout_of(avals_in, **params)``, after any
+    member dimensions): each device folds the rows of the blocks it holds (a reshape),
     lowers, and unfolds its results."""
 
     def lower(ctx, *args, **params):
-        x_aval, (start, at) = ctx.avals_in[0], row_starts(params)
-        count = x_aval.ndim - 1 - start
+        layout = layout_of(ctx.avals_in, **params)
+        count = layout.row_dims
         if count == 1:
             return lowering(ctx, *args, **params)
 
-        def folded(aval, i):
+        def folded(aval, start):
             shape = aval.shape
-            return jax.core.ShapedArray((*shape[:i], math.prod(shape[i : i + count]), *shape[i + count :]), aval.dtype)
+            if start is None:
+                return aval
+            rows = math.prod(shape[start : start + count])
+            return jax.core.ShapedArray((*shape[:start], rows, *shape[start + count :]), aval.dtype)
 
         def reshaped(value, have, want):
+            if have.shape == want.shape:
+                return value
             sub = ctx.replace(avals_in=[have], avals_out=[want])
             return mlir.lower_fun(lambda v: [v.reshape(want.shape)], multiple_results=True)(sub, value)[0]
 
-        plain = [jax.core.ShapedArray(a.shape, a.dtype) for a in (*ctx.avals_in, *ctx.avals_out)]
-        ins, outs = plain[: len(ctx.avals_in)], plain[len(ctx.avals_in) :]
-        flat_in, flat_outs = [folded(ins[0], start), *ins[1:]], [folded(a, at) for a in outs]
-        x = reshaped(args[0], ins[0], flat_in[0])
-        results = lowering(ctx.replace(avals_in=flat_in, avals_out=flat_outs), x, *args[1:], **params)
+        ins = [jax.core.ShapedArray(a.shape, a.dtype) for a in ctx.avals_in]
+        outs = [jax.core.ShapedArray(a.shape, a.dtype) for a in ctx.avals_out]
+        flat_in = [folded(a, layout.rows_at(0, i)) for i, a in enumerate(ins)]
+        flat_outs = [folded(a, layout.rows_at(1, i)) for i, a in enumerate(outs)]
+        flat_args = [reshaped(v, a, f) for v, a, f in zip(args, ins, flat_in)]
+        results = lowering(ctx.replace(avals_in=flat_in, avals_out=flat_outs), *flat_args, **params)
         return [reshaped(r, f, a) for r, f, a in zip(results, flat_outs, outs)]
 
     return lower
@@ -295,7 +306,9 @@ def _cuda_lowering(ctx, x, kernel, *bias, **params):
 
 
 mlir.register_lowering(
-    fused_matmul_p, partitioned_lowering(fused_matmul_p, _with_rows_folded(_cuda_lowering), _layout), platform="cuda"
+    fused_matmul_p,
+    partitioned_lowering(fused_matmul_p, _with_rows_folded(_cuda_lowering, _layout), _layout),
+    platform="cuda",
 )
 # The custom call's handler, registered now: a program holding it may come from
 # elsewhere (``jax.export``) and never be lowered in this process.
@@ -328,21 +341,25 @@ fused_weight_grad_p.multiple_results = True
 
 
 def fused_weight_grad(x, dz, *, compute_type, d_dtype):
-    """(m, k) x and (m, n) dz -> [x^T @ dz, sum(dz, 0)], both in ``d_dtype``, from one GEMM."""
+    """(..., k) x and (..., n) dz -> [x^T @ dz, sum(dz, 0)], both in ``d_dtype``, from one
+    GEMM summed over the rows (every leading dimension)."""
     return fused_weight_grad_p.bind(*vary_alike(x, dz), compute_type=compute_type, d_dtype=np.dtype(d_dtype))
 
 
 def _wgrad_abstract_eval(x, dz, *, compute_type, d_dtype, partitioned=False):
     del compute_type, partitioned
-    k, n = x.shape[1], dz.shape[1]
+    k, n = x.shape[-1], dz.shape[-1]
     return typed(_wgrad_layout((x, dz)), (x, dz), [((k, n), d_dtype), ((n,), d_dtype)])
 
 
 def _wgrad_layout(args, **params) -> Layout:
     """Over several devices: x's and dz's rows split alike, both gradients summed over them;
     N split as dz's is, and the gradients alike."""
-    del args, params
-    return Layout(((0, 1), ()), (0, 1), ({1: 1}, {0: 1, 1: 0}), "m k, m n -> k n, n", whole=("k",))
+    del params
+    row_dims = args[0].ndim - 1
+    m = _row_factors(row_dims)
+    rule = f"{m} k, {m} n -> k n, n"
+    return Layout(((0, 1), ()), (0, 1), ({1: 1}, {0: 1, 1: 0}), rule, whole=("k",), row_dims=row_dims)
 
 
 def _wgrad_reference_impl(x, dz, *, compute_type, d_dtype):
@@ -382,7 +399,9 @@ def _wgrad_cuda_lowering(ctx, x, dz, *, compute_type, d_dtype):
 
 mlir.register_lowering(
     fused_weight_grad_p,
-    partitioned_lowering(fused_weight_grad_p, _wgrad_cuda_lowering, _wgrad_layout),
+    partitioned_lowering(
+        fused_weight_grad_p, _with_rows_folded(_wgrad_cuda_lowering, _wgrad_layout), _wgrad_layout
+    ),
     platform="cuda",
 )
 
@@ -413,22 +432,25 @@ fused_gelu_input_grad_p.multiple_results = True
 
 
 def fused_gelu_input_grad(dz, kernel, aux, *, compute_type):
-    """(m, n) dz, (k, n) kernel, (m, round_up(k, 8)) GELU aux -> [(dz @ kernel^T) * gelu'(z)],
-    (m, k) in the aux's dtype, from one GEMM (``_reference.gelu_input_grad``)."""
+    """(..., n) dz, (k, n) kernel, (..., round_up(k, 8)) GELU aux -> [(dz @ kernel^T) *
+    gelu'(z)], (..., k) in the aux's dtype, from one GEMM (``_reference.gelu_input_grad``)."""
     return fused_gelu_input_grad_p.bind(*vary_alike(dz, kernel, aux), compute_type=compute_type)
 
 
 def _igrad_abstract_eval(dz, kernel, aux, *, compute_type, partitioned=False):
     del compute_type, partitioned
     args = (dz, kernel, aux)
-    return typed(_igrad_layout(args), args, [((dz.shape[0], kernel.shape[0]), aux.dtype)])
+    return typed(_igrad_layout(args), args, [((*dz.shape[:-1], kernel.shape[0]), aux.dtype)])
 
 
 def _igrad_layout(args, **params) -> Layout:
     """Over several devices: dz's and the aux's rows split alike, and the result's with them;
     N (summed over here, before the GELU derivative) and K whole."""
-    del args, params
-    return Layout(((0, 2), (0,)), (), ({}, {}), "m n, k n, m a -> m k", whole=("n", "k", "a"))
+    del params
+    row_dims = args[0].ndim - 1
+    m = _row_factors(row_dims)
+    rule = f"{m} n, k n, {m} a -> {m} k"
+    return Layout(((0, 2), (0,)), (), ({}, {}), rule, whole=("n", "k", "a"), row_dims=row_dims)
 
 
 def _igrad_reference_impl(dz, kernel, aux, *, compute_type):
@@ -469,7 +491,9 @@ def _igrad_cuda_lowering(ctx, dz, kernel, aux, *, compute_type):
 
 mlir.register_lowering(
     fused_gelu_input_grad_p,
-    partitioned_lowering(fused_gelu_input_grad_p, _igrad_cuda_lowering, _igrad_layout),
+    partitioned_lowering(
+        fused_gelu_input_grad_p, _with_rows_folded(_igrad_cuda_lowering, _igrad_layout), _igrad_layout
+    ),
     platform="cuda",
 )
 
@@ -479,15 +503,13 @@ def _igrad_batch(args, dims, **params):
     dz_dim, k_dim, aux_dim = dims
     if k_dim is not None:  # batched kernels: XLA's batched GEMM (as the weight gradient's)
         return _batched_reference(_igrad_reference_impl)(args, dims, **params)
-    # A shared kernel: fold the batch into the GEMM's rows, one call.
+    # A shared kernel: the batch is one more leading dimension of the rows, one call.
     size = dz.shape[dz_dim] if dz_dim is not None else aux.shape[aux_dim]
     dz, aux = (
         jnp.broadcast_to(a, (size, *a.shape)) if d is None else jnp.moveaxis(a, d, 0)
         for a, d in ((dz, dz_dim), (aux, aux_dim))
     )
-    (dz, unfold), (aux, _) = fold_rows(dz, 2), fold_rows(aux, 2, order_of=dz)
-    (out,) = fused_gelu_input_grad_p.bind(dz, kernel, aux, **params)
-    return [unfold(out)], [0]
+    return fused_gelu_input_grad_p.bind(dz, kernel, aux, **params), [0]
 
 
 batching.primitive_batchers[fused_gelu_input_grad_p] = _igrad_batch
@@ -641,13 +663,10 @@ mlir.register_lowering(
 )
 
 
-def _members_row_starts(params) -> tuple[int, int]:
-    """Where x's rows start (after its member dimensions, where it has them) and the results'."""
-    return (params["depth"] if params["batched"][0] else 0), params["depth"]
-
-
 mlir.register_lowering(
     members_p,
-    partitioned_lowering(members_p, _with_rows_folded(_members_cuda_lowering, _members_row_starts), _members_layout),
+    partitioned_lowering(
+        members_p, _with_rows_folded(_members_cuda_lowering, _members_layout), _members_layout
+    ),
     platform="cuda",
 )

@@ -102,12 +102,17 @@ def derivative_compute_type(compute_type: ComputeType) -> ComputeType | None:
 
 
 def _matmul(
-    a: jax.Array, b: jax.Array, contract: tuple[int, int], compute_type: ComputeType | None, out_dtype=None
+    a: jax.Array,
+    b: jax.Array,
+    contract: tuple[tuple[int, ...], tuple[int, ...]],
+    compute_type: ComputeType | None,
+    out_dtype=None,
 ) -> jax.Array:
-    """``a`` and ``b`` contracted over one axis each, accumulated as ``compute_type`` does;
-    in the accumulator's dtype, or in ``out_dtype`` when given. ``compute_type=None``: as
-    in ``plain``, in the operands' dtype (the math the fused primitives are differentiated
-    through: its transposed GEMMs stay in that dtype, as in XLA's own autodiff).
+    """``a`` and ``b`` contracted over the dimensions ``contract`` names (``a``'s, then
+    ``b``'s), accumulated as ``compute_type`` does; in the accumulator's dtype, or in
+    ``out_dtype`` when given. ``compute_type=None``: as in ``plain``, in the operands'
+    dtype (the math the fused primitives are differentiated through: its transposed GEMMs
+    stay in that dtype, as in XLA's own autodiff).
 
     Half operands with the default COMPUTE_32F and a result in their own dtype ask XLA for
     that dtype directly, as its autodiff of the plain expression does: its GEMMs still
@@ -118,12 +123,11 @@ def _matmul(
     products in the output dtype, as in its own backward; COMPUTE_32F_PEDANTIC keeps the
     float32 product.
 
-    Under explicit sharding a product of two matrices says how it is split (as the
-    dimensions it keeps are): one summed over a split dimension (the rows in the kernel
-    gradient, N in dx) must."""
-    kept = (1 - contract[0], 1 - contract[1])
-    out_sharding = explicit_product(a, b, *kept) if a.ndim == b.ndim == 2 else None
-    dims = (((contract[0],), (contract[1],)), ((), ()))
+    Under explicit sharding a product says how it is split (as the dimensions it keeps
+    are): one summed over a split dimension (the rows in the kernel gradient, N in dx)
+    must."""
+    out_sharding = explicit_product(a, b, contract)
+    dims = (tuple(contract[0]), tuple(contract[1])), ((), ())
     if compute_type is None:
         product = jax.lax.dot_general(a, b, dims, precision=_plain_precision(a.dtype), out_sharding=out_sharding)
         return product if out_dtype is None else product.astype(out_dtype)
@@ -186,7 +190,7 @@ def dense(
 
     ``x`` is (..., k), ``kernel`` (k, n), ``bias`` (n,) or None.
     """
-    z = _matmul(x, kernel, (x.ndim - 1, 0), compute_type)
+    z = _matmul(x, kernel, ((x.ndim - 1,), (0,)), compute_type)
     if bias is not None:  # (compute_type None: added as in plain, a float32 bias promoting z)
         z = z + (bias if compute_type is None else bias.astype(z.dtype))
     d = activate(z, activation).astype(d_dtype)
@@ -212,8 +216,8 @@ def output_grad(
 ) -> jax.Array:
     """``dz = dy * act'(z)`` from the forward's aux, in ``operand_dtype`` (the GEMMs' input).
 
-    ``dy`` is (m, n); ``aux`` the ReLU bit-mask or the GELU input; ``dz_extra`` a cotangent
-    of the GELU aux's first n columns, or None. dz is formed in the epilog's precision
+    ``dy`` is (..., n); ``aux`` the ReLU bit-mask or the GELU input; ``dz_extra`` a
+    cotangent of the GELU aux's first n columns, or None. dz is formed in the epilog's precision
     and rounded once. At ``z == 0`` ReLU's derivative is 0 (the mask holds ``z > 0``), as
     for ``jax.nn.relu``.
     """
@@ -223,7 +227,7 @@ def output_grad(
     if activation is Activation.RELU:
         dz = jnp.where(unpack_relu_mask(aux, n), dz, jnp.zeros((), acc))
     elif activation is Activation.GELU:
-        z = resharded_like(aux[:, :n].astype(acc), dy)  # (typed as dy: a whole aux beside split columns)
+        z = resharded_like(aux[..., :n].astype(acc), dy)  # (typed as dy: a whole aux beside split columns)
         dz = jax.vjp(lambda z: activate(z, activation), z)[1](dz)[0]
     if dz_extra is not None:
         dz = dz + dz_extra.astype(acc)
@@ -231,8 +235,8 @@ def output_grad(
 
 
 def input_grad(dz: jax.Array, kernel: jax.Array, compute_type: ComputeType) -> jax.Array:
-    """``dx = dz @ kernel^T``, accumulated like the forward."""
-    return _matmul(dz, kernel, (1, 1), compute_type, kernel.dtype)
+    """``dx = dz @ kernel^T`` for dz of shape (..., n), accumulated like the forward."""
+    return _matmul(dz, kernel, ((dz.ndim - 1,), (1,)), compute_type, kernel.dtype)
 
 
 def gelu_input_grad(dz: jax.Array, kernel: jax.Array, aux: jax.Array, compute_type: ComputeType) -> jax.Array:
@@ -240,17 +244,19 @@ def gelu_input_grad(dz: jax.Array, kernel: jax.Array, aux: jax.Array, compute_ty
     GELU aux (its input z, padded): the dz of the layer before this one, as the GPU's
     ``dgrad`` problem forms it in one GEMM with the DGELU epilog. The product stays in the
     accumulator until it is multiplied by the derivative, then rounds once."""
-    dh = _matmul(dz, kernel, (1, 1), compute_type)
+    dh = _matmul(dz, kernel, ((dz.ndim - 1,), (1,)), compute_type)
     return output_grad(aux, dh, None, Activation.GELU, compute_type, aux.dtype)
 
 
 def weight_grad(
     x: jax.Array, dz: jax.Array, compute_type: ComputeType, d_dtype: np.dtype, with_bias: bool
 ) -> tuple[jax.Array, jax.Array | None]:
-    """``(x^T @ dz, sum(dz, axis=0) or None)`` in ``d_dtype``: what the GPU's ``wgrad``
-    problem computes with one GEMM and its bias-gradient epilog (BGRADA)."""
-    dkernel = _matmul(x, dz, (0, 0), compute_type, d_dtype)
+    """``(x^T @ dz, sum(dz, axis=0) or None)`` in ``d_dtype``, summed over every leading
+    dimension of x (..., k) and dz (..., n), the rows: what the GPU's ``wgrad`` problem
+    computes with one GEMM and its bias-gradient epilog (BGRADA)."""
+    rows = tuple(range(x.ndim - 1))
+    dkernel = _matmul(x, dz, (rows, rows), compute_type, d_dtype)
     if not with_bias:
         return dkernel, None
     acc = _epilog_dtype(np.dtype(dz.dtype), compute_type)
-    return dkernel, jnp.sum(dz.astype(acc), axis=0).astype(d_dtype)
+    return dkernel, jnp.sum(dz.astype(acc), axis=rows).astype(d_dtype)

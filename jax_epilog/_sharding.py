@@ -32,11 +32,11 @@ are gathered too. On a single device, and inside ``shard_map`` (where every devi
 holds its own block), the primitive lowers directly: custom_partitioning adds nothing there.
 
 Under explicit sharding an array's type names its sharding: ``typed`` gives the
-primitives' results the types this rule makes, ``like`` gives each gradient its
-primal's type, and ``fold_rows`` folds leading dimensions into the rows so that each
-device's rows are the ones it holds. ``members_p`` is typed by the same rule with its
-member dimensions in front, so an ensemble on an explicit mesh lowers as it does
-elsewhere: whether its members are split, or replicated beside split rows or columns.
+primitives' results the types this rule makes, and ``like`` gives each gradient its
+primal's type. Every primitive takes its rows with their leading dimensions, so nothing
+folds them before the rule sees how they are split. ``members_p`` is typed by the same
+rule with its member dimensions in front, so an ensemble on an explicit mesh lowers as it
+does elsewhere: whether its members are split, or replicated beside split rows or columns.
 """
 
 from __future__ import annotations
@@ -45,8 +45,6 @@ import math
 from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.interpreters import mlir
 from jax.sharding import NamedSharding, PartitionSpec
@@ -62,8 +60,8 @@ except ImportError:  # a jax without them: custom_partitioning decodes (and may 
     _XlaSharding = _parse_hlo_sharding = None
 
 __all__ = [
-    "Layout", "explicit_product", "fold_rows", "like", "needs_transpose", "partitioned_lowering",
-    "resharded_like", "shaped_like", "typed", "vary_alike", "whole_leading",
+    "Layout", "explicit_product", "like", "partitioned_lowering", "resharded_like", "shaped_like", "typed",
+    "vary_alike", "whole_leading",
 ]  # fmt: skip
 
 
@@ -106,6 +104,11 @@ class Layout(NamedTuple):
         operands = [f"{lead} {o.strip()}" if b else o.strip() for o, b in zip(operands, batched, strict=True)]
         rule = f"{', '.join(operands)} -> {', '.join(f'{lead} {r.strip()}' for r in results)}"
         return self._replace(rule=rule, members=tuple(i for i, b in enumerate(batched) if b), depth=depth)
+
+    def rows_at(self, side: int, i: int) -> int | None:
+        """The dimension where M starts in operand (side 0) or result (side 1) ``i``
+        (after its member dimensions); None where it has no rows."""
+        return _offset(self, side, i) if i in self.rows[side] else None
 
 
 class Split(NamedTuple):
@@ -395,66 +398,20 @@ def resharded_like(value, other):
     return jax.sharding.reshard(value, want)
 
 
-def explicit_product(a, b, a_dim: int, b_dim: int) -> NamedSharding | None:
-    """Under explicit sharding, how a 2-d product that keeps dimension ``a_dim`` of ``a`` and
-    ``b_dim`` of ``b`` is split: as those dimensions are, unless they share mesh axes (then
-    ``b``'s is whole). A product summed over a split dimension must say so; elsewhere None."""
+def explicit_product(a, b, contract) -> NamedSharding | None:
+    """Under explicit sharding, how the product of ``a`` and ``b`` contracted over the
+    dimensions ``contract`` names (a tuple of ``a``'s, one of ``b``'s) is split: as the
+    dimensions it keeps are (``a``'s, then ``b``'s), except that those of ``b``'s that
+    share mesh axes with ``a``'s stay whole. A product summed over a split dimension must
+    say so; elsewhere None."""
     sa, sb = (getattr(jax.typeof(v), "sharding", None) for v in (a, b))
     if not (_explicit(sa) and _explicit(sb)):
         return None
-    first, second = _axes(sa, a_dim), _axes(sb, b_dim)
-    if set(first) & set(second):
-        second = ()
-    return _sharding(sa.mesh, 2, {d: axes for d, axes in ((0, first), (1, second)) if axes})
-
-
-def fold_rows(x, count: int, order_of=None):
-    """``x`` with its first ``count`` dimensions folded into one (a GEMM's rows), and the
-    function that unfolds a result's first dimension back into them.
-
-    Elsewhere this is a reshape, as it is under explicit sharding where only the first of
-    those dimensions is split. Where a later one is split too (x of type (4@data, 8@seq, K),
-    or (2, 8@seq, K)), each split dimension is cut into its devices' blocks and its
-    devices' parts within them, the blocks moved to the front (a transpose) and everything
-    merged, so that each device's rows are the ones it holds (no communication) and the
-    rows are split over all those axes; the result unfolds the same way back. The rows'
-    order is then not x's, which nothing row by row can tell. ``order_of``: fold as that
-    array's sharding asks instead (so that two operands' rows stay paired)."""
-    lead = x.shape[:count]
-    axes = _leading_axes(x if order_of is None else order_of, count)
-    if axes is None or not any(axes[1:]):
-        return x.reshape(math.prod(lead), *x.shape[count:]), lambda y: y.reshape(*lead, *y.shape[1:])
-    mesh = jax.typeof(x if order_of is None else order_of).sharding.mesh
-    x = _resharded_leading(x, axes, mesh)
-    shape, spec, blocks, within = [], [], [], []
-    for n, a in zip(lead, axes):
-        if a:  # (the devices' blocks, each device's part)
-            blocks.append(len(shape))
-            shape.append(_size(mesh, a))
-            spec.append(a)
-        within.append(len(shape))
-        shape.append(n // _size(mesh, a))
-        spec.append(())
-    order = (*blocks, *within)
-    rows_axes = tuple(ax for a in axes for ax in a)
-
-    def reshaped(v, new_shape, lead_spec):  # the leading dimensions reshaped, the others kept
-        trailing = _spec_entries(v)[v.ndim - (len(new_shape) - len(lead_spec)) :]
-        return jax.lax.reshape(v, tuple(new_shape), out_sharding=_named(mesh, (*lead_spec, *trailing)))
-
-    tail = x.shape[count:]
-    expanded = reshaped(x, (*shape, *tail), spec)
-    moved = jnp.transpose(expanded, (*order, *range(len(shape), expanded.ndim)))
-    folded = reshaped(moved, (math.prod(lead), *tail), (rows_axes,))
-
-    def unfold(y):
-        y = _resharded_leading(y, (rows_axes,), mesh)
-        rest = y.shape[1:]
-        y = reshaped(y, (*(shape[i] for i in order), *rest), [spec[i] for i in order])
-        y = jnp.transpose(y, (*np.argsort(order).tolist(), *range(len(shape), y.ndim)))
-        return reshaped(y, (*lead, *rest), axes)
-
-    return folded, unfold
+    first = [_axes(sa, d) for d in range(a.ndim) if d not in contract[0]]
+    taken = {axis for axes in first for axis in axes}
+    kept = (_axes(sb, d) for d in range(b.ndim) if d not in contract[1])
+    second = [() if set(axes) & taken else axes for axes in kept]
+    return _named(sa.mesh, (*first, *second))
 
 
 def whole_leading(x, count: int):
@@ -462,19 +419,6 @@ def whole_leading(x, count: int):
     (``lax.map`` refuses to loop over a split dimension); elsewhere ``x``."""
     sharding = getattr(jax.typeof(x), "sharding", None)
     return _resharded_leading(x, ((),) * count, sharding.mesh) if _explicit(sharding) else x
-
-
-def needs_transpose(x, count: int) -> bool:
-    """Whether ``fold_rows(x, count)`` transposes ``x`` (explicit sharding splits one of
-    those dimensions after the first)."""
-    axes = _leading_axes(x, count)
-    return axes is not None and any(axes[1:])
-
-
-def _leading_axes(x, count: int) -> tuple[tuple[str, ...], ...] | None:
-    """The mesh axes that split each of ``x``'s first ``count`` dimensions, where its type
-    names its sharding (explicit sharding); else None."""
-    return _spec_entries(x)[:count] if _explicit(getattr(jax.typeof(x), "sharding", None)) else None
 
 
 def _spec_entries(x) -> tuple[tuple[str, ...], ...]:

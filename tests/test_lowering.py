@@ -226,6 +226,24 @@ def test_autos_fused_forward_folds_its_leading_dimensions_in_the_lowering(cublas
     assert jax.jit(layer)(x, w, b).shape == ((4,) if ensemble else ()) + (3, 11, 65)
 
 
+def test_the_fused_backward_folds_its_leading_dimensions_in_the_lowering(cublaslt_accepts):
+    """"cublaslt"'s backward and fused_mlp's linked one take x (3, 11, K) with its leading
+    dimensions too: the forward, BGRADA and DGELU calls each fold m = 33 rows in their
+    lowering, and nothing folds before the ops."""
+    x, w, b = _args(jnp.bfloat16)
+    x = jnp.ones((3, 11, x.shape[1]), x.dtype)
+    w2 = jnp.ones((65, 17), x.dtype)
+    dense = lambda x, w, b, w2: op(x, w, b, activation="gelu")
+    mlp = lambda x, w, b, w2: fused_mlp(x, [(w, b), (w2, None)], ["gelu", None], implementation="cublaslt")
+    for f, problems in ((dense, ["forward", "wgrad"]), (mlp, ["forward", "forward", "dgrad", "wgrad"])):
+        grad = jax.grad(lambda *a, f=f: (f(*a).astype(jnp.float32) ** 2).sum(), argnums=(0, 1, 2, 3))
+        assert "bf16[33," not in str(jax.make_jaxpr(grad)(x, w, b, w2))  # no fold before the ops
+        calls = _calls(_cuda_text(grad, x, w, b, w2))
+        assert sorted(re.search(r'problem = "(\w+)"', c)[1] for c in calls) == sorted(problems)
+        assert all("m = 33" in c for c in calls)
+        assert all(s.shape == a.shape for s, a in zip(jax.eval_shape(grad, x, w, b, w2), (x, w, b, w2)))
+
+
 def _stacked(args, in_axes, members=3):
     return [jnp.stack([a * (i + 1) for i in range(members)]) if ax == 0 else a for i, (a, ax) in enumerate(zip(args, in_axes))]
 

@@ -10,8 +10,10 @@ cuBLASLt accepts the problem (checked by planning it at lowering time, so a refu
 reaches a running program). Everywhere else, and for whatever the fast path cannot take
 (float64, empty dimensions, a refused problem), it lowers to ``_reference.dense``: the same
 outputs in the same aux layout. Falling back on a GPU is announced once with a warning.
-Over several devices every lowering first splits the primitive by rows, and by N where it
-can (``_sharding``; each primitive's ``Layout`` says where its M and N are). Each
+Each primitive takes its rows with their leading dimensions (x of shape (batch, seq, K));
+over several devices every lowering first splits it by rows, and by N where it can
+(``_sharding``; each primitive's ``Layout`` says where its M and N are), and on CUDA each
+device folds its block's rows into M around the call (``_with_rows_folded``). Each
 primitive differentiates through its reference math (for derivatives of a gradient).
 Batched weights (an ensemble) bind ``members_p`` for the forward, which splits the
 members over the devices that hold them (explicit sharding included), each device's

@@ -5,8 +5,8 @@ onto every device and run the whole GEMM on each. So each primitive's lowering g
 ``jax.experimental.custom_partitioning`` with one rule for all of them:
 
 - an operand's rows (the GEMM's M: a batch of tokens) stay split the way they arrive,
-  also where they span several dimensions (the forward's x of shape (batch, seq, K):
-  ``Layout.row_dims``), each device folding its own block's;
+  also where they span several dimensions (x of shape (batch, seq, K), and dz and the aux
+  in the backward: ``Layout.row_dims``), each device folding its own block's;
 - the output features (N) stay split where the kernel (or, for the kernel gradient, dz)
   arrives split along N over mesh axes that do not split the rows: tensor parallelism's
   column-parallel layer. Each device then computes its own block of columns, with no

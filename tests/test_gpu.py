@@ -371,6 +371,35 @@ def test_a_gelu_link_in_fused_mlp_lowers_to_a_dgelu_input_gradient_gemm(rng):
     assert f"@{TARGET_NAME}(" in text and 'problem = "dgrad"' in text and '"DGELU"' in text, text
 
 
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_the_cublaslt_gradient_on_leading_dimensions_matches_the_expressions(rng, activation):
+    """"cublaslt"'s backward and fused_mlp's linked one on x of shape (3, 11, K): the
+    forward, BGRADA and DGELU calls fold their rows in the lowering; the gradients are the
+    plain expression's."""
+    from jax_epilog._ffi import TARGET_NAME
+
+    x, w, b = _inputs(rng, 33, 129, 65, "bfloat16")
+    x = x.reshape(3, 11, 129)
+    w2 = _inputs(rng, 1, 65, 17, "bfloat16")[1]
+    act = jax.nn.relu if activation == "relu" else functools.partial(jax.nn.gelu, approximate=True)
+    layers = {
+        "dense": lambda x, w, b, w2: fused_dense(x, w, b, activation=activation, implementation="cublaslt"),
+        "mlp": lambda x, w, b, w2: jax_epilog.fused_mlp(
+            x, [(w, b), (w2, None)], [activation, None], implementation="cublaslt"
+        ),
+    }
+    plain = {"dense": lambda x, w, b, w2: act(x @ w + b), "mlp": lambda x, w, b, w2: act(x @ w + b) @ w2}
+    loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a).astype(jnp.float32)))
+    f32 = [a.astype(jnp.float32) for a in (x, w, b, w2)]
+    argnums = (0, 1, 2, 3)
+    for name, layer in layers.items():
+        grad = jax.jit(jax.grad(loss(layer), argnums=argnums))
+        text = grad.lower(x, w, b, w2).as_text()
+        assert text.count(f"@{TARGET_NAME}(") >= 1 and "bf16[33," not in str(jax.make_jaxpr(grad)(x, w, b, w2))
+        for g, want in zip(grad(x, w, b, w2), jax.grad(loss(plain[name]), argnums=argnums)(*f32), strict=True):
+            _assert_close(g, want, TOL["bfloat16"])
+
+
 @pytest.mark.parametrize("dtype,aux_dtype", [("bfloat16", "bfloat16"), ("float16", "float16"),
                                              ("bfloat16", "float32"), ("float32", "float32")])
 def test_gelu_input_grad_matches_nvmath_dgelu_directly(rng, dtype, aux_dtype):

@@ -382,10 +382,10 @@ _dense.defvjp(_dense_fwd, _dense_bwd)
 
 def weight_grads(x, dz, kernel, activation, ct, d_dtype, bias_dtype, fused: bool = True):
     """A layer's (dkernel, dbias or None) from its input and dz (summed over their leading
-    dimensions, the rows), in the kernel's and bias's dtypes. Without a bias, a plain GEMM. With one (in ``d_dtype``: float32 beside a float32
-    bias), ``fused``: one cuBLASLt GEMM whose epilog reduces dz (BGRADA), except for ReLU,
-    whose are XLA's GEMM and a reduction of its own (measured faster: fused_dense's
-    docstring); else XLA's."""
+    dimensions, the rows), in the kernel's and bias's dtypes. Without a bias, a plain
+    GEMM. With one (in ``d_dtype``: float32 beside a float32 bias), ``fused``: one cuBLASLt
+    GEMM whose epilog reduces dz (BGRADA), except for ReLU, whose are XLA's GEMM and a
+    reduction of its own (measured faster: fused_dense's docstring); else XLA's."""
     if bias_dtype is None:
         dkernel, dbias = _reference.weight_grad(x, dz, ct, kernel.dtype, with_bias=False)
     elif fused and activation is not Activation.RELU:

@@ -343,8 +343,8 @@ fused_weight_grad_p.multiple_results = True
 
 
 def fused_weight_grad(x, dz, *, compute_type, d_dtype):
-    """(..., k) x and (..., n) dz -> [x^T @ dz, sum(dz, 0)], both in ``d_dtype``, from one
-    GEMM summed over the rows (every leading dimension)."""
+    """(..., k) x and (..., n) dz -> [x^T @ dz, dz summed over the rows], both in
+    ``d_dtype``, from one GEMM; the rows are every leading dimension."""
     return fused_weight_grad_p.bind(*vary_alike(x, dz), compute_type=compute_type, d_dtype=np.dtype(d_dtype))
 
 

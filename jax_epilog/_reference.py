@@ -217,9 +217,9 @@ def output_grad(
     """``dz = dy * act'(z)`` from the forward's aux, in ``operand_dtype`` (the GEMMs' input).
 
     ``dy`` is (..., n); ``aux`` the ReLU bit-mask or the GELU input; ``dz_extra`` a
-    cotangent of the GELU aux's first n columns, or None. dz is formed in the epilog's precision
-    and rounded once. At ``z == 0`` ReLU's derivative is 0 (the mask holds ``z > 0``), as
-    for ``jax.nn.relu``.
+    cotangent of the GELU aux's first n columns, or None. dz is formed in the epilog's
+    precision and rounded once. At ``z == 0`` ReLU's derivative is 0 (the mask holds
+    ``z > 0``), as for ``jax.nn.relu``.
     """
     n = dy.shape[-1]
     acc = _epilog_dtype(np.dtype(operand_dtype), compute_type)
@@ -251,8 +251,8 @@ def gelu_input_grad(dz: jax.Array, kernel: jax.Array, aux: jax.Array, compute_ty
 def weight_grad(
     x: jax.Array, dz: jax.Array, compute_type: ComputeType, d_dtype: np.dtype, with_bias: bool
 ) -> tuple[jax.Array, jax.Array | None]:
-    """``(x^T @ dz, sum(dz, axis=0) or None)`` in ``d_dtype``, summed over every leading
-    dimension of x (..., k) and dz (..., n), the rows: what the GPU's ``wgrad`` problem
+    """``(x^T @ dz, dz's sum over the rows or None)`` in ``d_dtype``, the rows being every
+    leading dimension of x (..., k) and dz (..., n): what the GPU's ``wgrad`` problem
     computes with one GEMM and its bias-gradient epilog (BGRADA)."""
     rows = tuple(range(x.ndim - 1))
     dkernel = _matmul(x, dz, (rows, rows), compute_type, d_dtype)

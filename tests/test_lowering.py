@@ -12,9 +12,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import ENSEMBLES, act_fn
+from jax.interpreters import mlir
 
 import jax_epilog
-from jax_epilog import EXPORT_CHECKS, FastPathWarning, MembersLoopWarning, _primitive, fused_dense, fused_mlp
+from jax_epilog import (
+    EXPORT_CHECKS,
+    FastPathWarning,
+    MembersLoopWarning,
+    _primitive,
+    _reference,
+    fused_dense,
+    fused_mlp,
+)
+from jax_epilog._epilogs import Activation, ComputeType
+from jax_epilog._sharding import partitioned_lowering
 
 TARGET = "jax_epilog_fused_matmul"
 op = functools.partial(fused_dense, implementation="cublaslt")
@@ -326,3 +337,54 @@ def test_a_refused_batch_runs_one_fused_call_per_member_with_one_warning(monkeyp
     (warning,) = [w for w in caught if issubclass(w.category, MembersLoopWarning)]
     assert "3 members run one fused call each" in str(warning.message) and "no batch (test)" in str(warning.message)
 
+
+
+@pytest.fixture
+def cuda_lowerings_on_cpu():
+    """The primitives' CUDA lowerings registered for the CPU, on float64 operands (which
+    they hand to the reference math, as on a GPU): each folds its rows' leading dimensions
+    around that math and unfolds its results, so the folding's values are checked here."""
+    p = _primitive
+    rules = [
+        (p.fused_matmul_p, p._cuda_lowering, p._reference_lowering, p._layout),
+        (p.fused_weight_grad_p, p._wgrad_cuda_lowering, p._wgrad_reference_lowering, p._wgrad_layout),
+        (p.fused_gelu_input_grad_p, p._igrad_cuda_lowering, p._igrad_reference_lowering, p._igrad_layout),
+        (p.members_p, p._members_cuda_lowering, mlir.lower_fun(p._member_loop, multiple_results=True), p._members_layout),
+    ]
+    for primitive, cuda, _, layout in rules:
+        lowering = p._with_rows_folded(cuda, layout)
+        mlir.register_lowering(primitive, partitioned_lowering(primitive, lowering, layout), platform="cpu")
+    yield
+    for primitive, _, reference, layout in rules:
+        mlir.register_lowering(primitive, partitioned_lowering(primitive, reference, layout), platform="cpu")
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_the_cuda_lowerings_row_folding_keeps_the_values(rng, cuda_lowerings_on_cpu, activation):
+    """x of shape (2, 3, 5, K): fused_dense's value, aux and gradients (the forward and
+    BGRADA fold), fused_mlp's linked gradient (DGELU folds), an ensemble's forward and
+    gradients with x per member (the members' call folds after the member dimension) and
+    a per-example model over an ensemble, all as the float64 expression's."""
+    act = act_fn(activation)
+    x = rng.standard_normal((2, 3, 5, 17))
+    w, b, w2 = rng.standard_normal((17, 37)) / 4, rng.standard_normal(37), rng.standard_normal((37, 6)) / 6
+    ws, bs, xs = (np.stack([a * (i + 1) for i in range(3)]) for a in (w, b, x))
+    dense = lambda x, w, b, w2: op(x, w, b, activation=activation)
+    mlp = lambda x, w, b, w2: fused_mlp(x, [(w, b), (w2, None)], ["gelu", None], implementation="cublaslt")
+    members = lambda x, w, b, w2: jax.vmap(lambda x, w, b: dense(x, w, b, w2))(x, w, b)
+    per_example = lambda x, w, b, w2: jax.vmap(lambda x: members(x, w, b, w2), in_axes=1, out_axes=1)(x)
+    cases = [
+        (dense, lambda x, w, b, w2: act(x @ w + b), (x, w, b, w2)),
+        (mlp, lambda x, w, b, w2: jax.nn.gelu(x @ w + b, approximate=True) @ w2, (x, w, b, w2)),
+        (members, lambda x, w, b, w2: act(jnp.einsum("eabmk,ekn->eabmn", x, w) + b[:, None, None, None]), (xs, ws, bs, w2)),
+        (per_example, lambda x, w, b, w2: act(jnp.einsum("eabmk,ekn->eabmn", x, w) + b[:, None, None, None]), (xs, ws, bs, w2)),
+    ]
+    loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))
+    for f, plain, args in cases:
+        np.testing.assert_allclose(jax.jit(f)(*args), plain(*args), rtol=1e-12, atol=1e-12)
+        got = jax.jit(jax.grad(loss(f), argnums=(0, 1, 2, 3)))(*args)
+        for g, want in zip(got, jax.grad(loss(plain), argnums=(0, 1, 2, 3))(*args), strict=True):
+            np.testing.assert_allclose(g, want, rtol=1e-10, atol=1e-10)
+    aux = jax.jit(functools.partial(op, activation=activation, return_aux=True))(x, w, b)[1]
+    want = _reference.dense(x.reshape(30, 17), w, b, Activation(activation), ComputeType.COMPUTE_64F, np.float64, True)
+    np.testing.assert_array_equal(aux.reshape(30, -1), want[1])

@@ -127,7 +127,7 @@ def _matmul(
     are): one summed over a split dimension (the rows in the kernel gradient, N in dx)
     must."""
     out_sharding = explicit_product(a, b, contract)
-    dims = (tuple(contract[0]), tuple(contract[1])), ((), ())
+    dims = (contract, ((), ()))
     if compute_type is None:
         product = jax.lax.dot_general(a, b, dims, precision=_plain_precision(a.dtype), out_sharding=out_sharding)
         return product if out_dtype is None else product.astype(out_dtype)

@@ -407,9 +407,9 @@ def explicit_product(a, b, contract) -> NamedSharding | None:
     sa, sb = (getattr(jax.typeof(v), "sharding", None) for v in (a, b))
     if not (_explicit(sa) and _explicit(sb)):
         return None
-    first = [_axes(sa, d) for d in range(a.ndim) if d not in contract[0]]
+    first = [axes for d, axes in enumerate(_spec_entries(a)) if d not in contract[0]]
     taken = {axis for axes in first for axis in axes}
-    kept = (_axes(sb, d) for d in range(b.ndim) if d not in contract[1])
+    kept = (axes for d, axes in enumerate(_spec_entries(b)) if d not in contract[1])
     second = [() if set(axes) & taken else axes for axes in kept]
     return _named(sa.mesh, (*first, *second))
 
@@ -418,7 +418,10 @@ def whole_leading(x, count: int):
     """``x`` with its first ``count`` dimensions whole where explicit sharding splits them
     (``lax.map`` refuses to loop over a split dimension); elsewhere ``x``."""
     sharding = getattr(jax.typeof(x), "sharding", None)
-    return _resharded_leading(x, ((),) * count, sharding.mesh) if _explicit(sharding) else x
+    entries = _spec_entries(x) if _explicit(sharding) else ()
+    if not any(entries[:count]):
+        return x
+    return jax.sharding.reshard(x, _named(sharding.mesh, (*((),) * count, *entries[count:])))
 
 
 def _spec_entries(x) -> tuple[tuple[str, ...], ...]:
@@ -430,15 +433,6 @@ def _spec_entries(x) -> tuple[tuple[str, ...], ...]:
 def _named(mesh, entries) -> NamedSharding:
     """``_sharding`` from each dimension's mesh axes (() where whole)."""
     return _sharding(mesh, len(entries), {d: axes for d, axes in enumerate(entries) if axes})
-
-
-def _resharded_leading(x, axes, mesh):
-    """``x`` with its leading dimensions split over ``axes`` (one entry a dimension), the
-    others as they are: a no-op where they already are."""
-    entries = _spec_entries(x)
-    if entries[: len(axes)] == tuple(axes):
-        return x
-    return jax.sharding.reshard(x, _named(mesh, (*axes, *entries[len(axes) :])))
 
 
 def _explicit(sharding) -> bool:

@@ -1,4 +1,5 @@
-"""Shared test helpers: activations and dtypes by name (test_grad.py), and comparing a fused
+"""Shared test helpers: activations and dtypes by name (test_grad.py), ReLU's derivative
+from the op's own mask near the kink (test_grad.py, test_gpu.py), and comparing a fused
 layer with its Flax twin (test_linen.py, test_nnx.py). No Flax import here."""
 
 from __future__ import annotations
@@ -9,6 +10,9 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from tolerances import epilog_slack, tolerance
+
+import jax_epilog
 
 ACTIVATIONS = [None, "relu", "gelu"]
 # An ensemble: vmap over stacked weights. Which of (x, kernel, bias) are per member (0) or
@@ -31,6 +35,36 @@ def act_fn(name):
     if name == "relu":
         return jax.nn.relu
     return functools.partial(jax.nn.gelu, approximate=True)
+
+
+def masked_relu(z, mask):
+    """ReLU's value, with ``mask`` (from ``reference_relu_mask``) as its derivative."""
+    return z * mask + jax.lax.stop_gradient(jax.nn.relu(z) - z * mask)
+
+
+def reference_relu_mask(x, w, b, dtype, epilog_dtype=None):
+    """ReLU's derivative for a reference VJP: z > 0 from the float64 z of the cast inputs.
+
+    Within rounding of the kink (|z| up to 10 atol of the dtype plus twice the GPU epilog's
+    slack, as test_dense.py's ``relu_clear``) a GPU epilog that rounds z before taking its
+    sign may legitimately disagree, so there (a few % of the entries for bfloat16 on a GPU,
+    almost none on the CPU) the op's own bit is taken. Everywhere else the op's saved mask
+    must equal z > 0, and those entries must be the large majority.
+    """
+    z = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    if b is not None:
+        z = z + np.asarray(b, np.float64)
+    _, atol = tolerance(dtype, w.shape[0])
+    clear = np.abs(z) > 10 * atol + 2 * epilog_slack(epilog_dtype or dtype, z, b)
+    if z.size >= 64:  # the check must not pass vacuously
+        assert clear.mean() > 0.9, f"only {clear.mean():.2%} of signs are clear of rounding"
+    _, aux = jax_epilog.fused_dense(x, w, b, activation="relu", return_aux=True, implementation="cublaslt")
+    op_mask = np.asarray(jax_epilog.unpack_relu_mask(aux, w.shape[1]), bool)
+    mismatch = (op_mask != (z > 0)) & clear
+    assert not mismatch.any(), (
+        f"the op's ReLU mask differs from z > 0 at {int(mismatch.sum())} of {z.size} entries"
+    )
+    return np.where(clear, z > 0, op_mask).astype(np.float64)
 
 
 def np_dtype(dtype) -> np.dtype:

@@ -12,9 +12,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import ON_GPU, act_fn, assert_relatively_close, np_dtype, round_operand
+from helpers import (
+    ON_GPU,
+    act_fn,
+    assert_relatively_close,
+    masked_relu,
+    np_dtype,
+    reference_relu_mask,
+    round_operand,
+)
 from jax.test_util import check_grads
-from tolerances import epilog_slack, tolerance
 
 import jax_epilog
 from jax_epilog import unpack_relu_mask
@@ -49,37 +56,6 @@ def make_inputs(rng, x_shape, n, dtype, *, bias=True, bias_dtype=None, activatio
     raise AssertionError("could not draw inputs clear of the ReLU kink")
 
 
-def op_relu_mask(x, w, b):
-    """The ReLU mask the op's own forward saved (bits of its aux), as bool."""
-    n = w.shape[1]
-    _, aux = fused_dense(x, w, b, activation="relu", return_aux=True)
-    return np.asarray(unpack_relu_mask(aux, n), bool)
-
-
-def reference_relu_mask(x, w, b, dtype, epilog_dtype=None):
-    """ReLU's derivative for the reference VJP: z > 0 from the float64 z of the cast inputs.
-
-    Within rounding of the kink (|z| up to 10 atol of the dtype plus twice the GPU epilog's
-    slack, as test_dense.py's ``relu_clear``) a GPU epilog that rounds z before taking its
-    sign may legitimately disagree, so there (a few % of the entries for bfloat16 on a GPU,
-    almost none on the CPU) the op's own bit is taken. Everywhere else the op's saved mask
-    must equal z > 0, and those entries must be the large majority.
-    """
-    z = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
-    if b is not None:
-        z = z + np.asarray(b, np.float64)
-    _, atol = tolerance(dtype, w.shape[0])
-    clear = np.abs(z) > 10 * atol + 2 * epilog_slack(epilog_dtype or dtype, z, b)
-    if z.size >= 64:  # the check must not pass vacuously
-        assert clear.mean() > 0.9, f"only {clear.mean():.2%} of signs are clear of rounding"
-    op_mask = op_relu_mask(x, w, b)
-    mismatch = (op_mask != (z > 0)) & clear
-    assert not mismatch.any(), (
-        f"the op's ReLU mask differs from z > 0 at {int(mismatch.sum())} of {z.size} entries"
-    )
-    return np.where(clear, z > 0, op_mask).astype(np.float64)
-
-
 def reference_vjp(x, w, b, activation, dy, relu_mask=None):
     """Gradients of act(x @ w + b) in float64, from the *cast* inputs.
 
@@ -90,7 +66,7 @@ def reference_vjp(x, w, b, activation, dy, relu_mask=None):
     def f(x, w, *b):
         z = x @ w + (b[0] if b else 0.0)
         if relu_mask is not None:
-            return z * relu_mask + jax.lax.stop_gradient(jax.nn.relu(z) - z * relu_mask)
+            return masked_relu(z, relu_mask)
         return act_fn(activation)(z)
 
     _, vjp = jax.vjp(f, *args)

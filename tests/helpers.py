@@ -42,20 +42,26 @@ def masked_relu(z, mask):
     return z * mask + jax.lax.stop_gradient(jax.nn.relu(z) - z * mask)
 
 
+def relu_clear(z, dtype, k, *, acc_eps=None, factor=10.0, slack=0.0):
+    """Positions whose sign the op's rounding cannot flip: |z| > factor * atol of the dtype
+    (plus twice the GPU epilog's slack, see tolerances.epilog_slack)."""
+    _, atol = tolerance(dtype, k, acc_eps=acc_eps)
+    return np.abs(z) > factor * atol + 2 * slack
+
+
 def reference_relu_mask(x, w, b, dtype, epilog_dtype=None):
     """ReLU's derivative for a reference VJP: z > 0 from the float64 z of the cast inputs.
 
-    Within rounding of the kink (|z| up to 10 atol of the dtype plus twice the GPU epilog's
-    slack, as test_dense.py's ``relu_clear``) a GPU epilog that rounds z before taking its
-    sign may legitimately disagree, so there (a few % of the entries for bfloat16 on a GPU,
+    Within rounding of the kink (``relu_clear``: |z| up to 10 atol of the dtype plus twice
+    the GPU epilog's slack) a GPU epilog that rounds z before taking its sign may
+    legitimately disagree, so there (a few % of the entries for bfloat16 on a GPU,
     almost none on the CPU) the op's own bit is taken. Everywhere else the op's saved mask
     must equal z > 0, and those entries must be the large majority.
     """
     z = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
     if b is not None:
         z = z + np.asarray(b, np.float64)
-    _, atol = tolerance(dtype, w.shape[0])
-    clear = np.abs(z) > 10 * atol + 2 * epilog_slack(epilog_dtype or dtype, z, b)
+    clear = relu_clear(z, dtype, w.shape[0], slack=epilog_slack(epilog_dtype or dtype, z, b))
     if z.size >= 64:  # the check must not pass vacuously
         assert clear.mean() > 0.9, f"only {clear.mean():.2%} of signs are clear of rounding"
     _, aux = jax_epilog.fused_dense(x, w, b, activation="relu", return_aux=True, implementation="cublaslt")

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import round_operand
+from helpers import relu_clear, round_operand
 from tolerances import ON_GPU, assert_close, epilog_slack, tolerance
 
 import jax_epilog
@@ -77,13 +77,6 @@ def oracle(x, w, b, activation):
 def first_bits(mask, n):
     """The first n bits of each row of a uint8 mask (bit j % 8 of byte j // 8), with NumPy."""
     return np.unpackbits(np.asarray(mask), axis=-1, bitorder="little")[..., :n].astype(bool)
-
-
-def relu_clear(z, dtype, k, *, acc_eps=None, factor=10.0, slack=0.0):
-    """Positions whose sign the op's rounding cannot flip: |z| > factor * atol of the dtype
-    (plus twice the GPU epilog's slack, see tolerances.epilog_slack)."""
-    _, atol = tolerance(dtype, k, acc_eps=acc_eps)
-    return np.abs(z) > factor * atol + 2 * slack
 
 
 def assert_relu_bits(aux, z, dtype, k, *, acc_eps=None, factor=10.0, min_coverage=0.9, bias=None, epilog_dtype=None):

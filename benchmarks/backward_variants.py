@@ -156,8 +156,8 @@ def bench(rows, shapes=GRAD_SHAPES):
             jax.jit(lambda x, dz: _reference.weight_grad(x, dz, CT, "bfloat16", with_bias=False)[0]),
         ]
         times = time_jax_interleaved(*((p, (x, dz)) for p in parts))
-        row = dict(shape=f"{m}x{k}->{n}", part="kernel gradient", bgrada_us=times[0],
-                   xla_dot_sum_us=times[1], xla_dot_us=times[2])  # fmt: skip
+        row = {"shape": f"{m}x{k}->{n}", "part": "kernel gradient", "bgrada_us": times[0],
+              "xla_dot_sum_us": times[1], "xla_dot_us": times[2]}  # fmt: skip
         rows.append(row)
         print(json.dumps(row), flush=True)
 

@@ -56,7 +56,8 @@ def main(hlo_dir: str | None = None):
     for act in ("relu", "gelu"):
         layers = {
             "fused": partial(fused_dense, activation=act, implementation="cublaslt"),
-            "xla": lambda x, w, b, f=activation_fn(act): f(x @ w + b),
+            # The default binds this iteration's activation function.
+            "xla": lambda x, w, b, f=activation_fn(act): f(x @ w + b),  # noqa: B008
         }
         cases, labels = [], []
         for layout, (w_arg, b_arg) in (("stacked", (ws, bs)), ("separate", separate)):

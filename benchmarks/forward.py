@@ -79,7 +79,7 @@ def time_nvmath(m, k, n, dtype, bias_dtype, activation) -> tuple[float, float] |
         mm = Matmul(a, b)
         mm.plan(epilog=epilog, epilog_inputs={"bias": bias})
         mm.execute()
-    except Exception as exc:  # e.g. fp16 operands with an fp32 bias
+    except Exception as exc:  # noqa: BLE001 -- any refusal (e.g. fp16 with an fp32 bias) skips the row
         print(f"  nvmath direct refused {m}x{k}->{n} {dtype}/{bias_dtype}: {type(exc).__name__}", file=sys.stderr)
         return None
     stream = cp.cuda.get_current_stream()
@@ -147,13 +147,13 @@ def bench_single(rows):
             # rows show the GPU's time per layer rather than the host's per call.
             four = [in_four(g, x) for g in (fused, xla)]
             t_fused4, t_xla4 = (t / 4 for t in time_jax_interleaved(*((g, (xs, w, b)) for g, xs in four)))
-            row = dict(
-                shape=f"{m}x{k}->{n}", dtype=f"{dtype}/{bias_dtype} bias", activation=activation,
-                fused_us=t_fused, xla_us=t_xla, fused_in4_us=t_fused4, xla_in4_us=t_xla4,
-                nvmath_us=nv[0] if nv else None,
-                nvmath_host_us=nv[1] if nv else None, handler_host_us=handler_us,
-                handler_calls=calls1 - calls0, handler_resolved=res1 - res0,
-            )  # fmt: skip
+            row = {
+                "shape": f"{m}x{k}->{n}", "dtype": f"{dtype}/{bias_dtype} bias", "activation": activation,
+                "fused_us": t_fused, "xla_us": t_xla, "fused_in4_us": t_fused4, "xla_in4_us": t_xla4,
+                "nvmath_us": nv[0] if nv else None,
+                "nvmath_host_us": nv[1] if nv else None, "handler_host_us": handler_us,
+                "handler_calls": calls1 - calls0, "handler_resolved": res1 - res0,
+            }  # fmt: skip
             rows.append(row)
             print(json.dumps(row), flush=True)
 
@@ -242,14 +242,14 @@ def bench_chain(rows, depth=16, sizes=((256, 1024), (2048, 1024))):
             )
             calls1, ns1, res1 = _ffi.handler_stats()
             launched = (_RUNS[0] - runs0) * depth  # layer executions of the fused chains
-            row = dict(
-                chain=f"{depth}x {m}x{k}->{k}", activation=activation, fused_us=t_fused,
-                xla_us=t_xla, fused_released_us=t_fused_r, xla_released_us=t_xla_r,
-                fused_donated_us=t_fused_d, xla_donated_us=t_xla_d,
-                handler_calls=calls1 - calls0, layer_runs=launched,
-                handler_host_us=(ns1 - ns0) / max(1, calls1 - calls0) / 1e3,
-                handler_resolved=res1 - res0,
-            )  # fmt: skip
+            row = {
+                "chain": f"{depth}x {m}x{k}->{k}", "activation": activation, "fused_us": t_fused,
+                "xla_us": t_xla, "fused_released_us": t_fused_r, "xla_released_us": t_xla_r,
+                "fused_donated_us": t_fused_d, "xla_donated_us": t_xla_d,
+                "handler_calls": calls1 - calls0, "layer_runs": launched,
+                "handler_host_us": (ns1 - ns0) / max(1, calls1 - calls0) / 1e3,
+                "handler_resolved": res1 - res0,
+            }  # fmt: skip
             rows.append(row)
             print(json.dumps(row), flush=True)
 
@@ -293,7 +293,9 @@ def force_candidate(index: int) -> None:
 
 
 def versions() -> dict:
-    info = dict(jax=jax.__version__, python=platform.python_version(), gpu=str(jax.devices()[0].device_kind))
+    info = {
+        "jax": jax.__version__, "python": platform.python_version(), "gpu": str(jax.devices()[0].device_kind)
+    }
     for name in ("nvmath", "cupy"):
         try:
             info[name] = __import__(name).__version__
@@ -384,9 +386,10 @@ def main(argv=None):
         plans = Counter(f"alignment {key[2]}" for key in _nvmath._plans)
         tuned = tuning_choices(_nvmath._plans)
         replay = replay_states(_nvmath._plans)
-        result = dict(
-            label=args.label, versions=versions(), rows=rows, plans=plans, tuned=tuned, replay=replay
-        )
+        result = {
+            "label": args.label, "versions": versions(), "rows": rows,
+            "plans": plans, "tuned": tuned, "replay": replay,
+        }
         json.dump(result, fh, indent=1)
     print(f"plans made: {dict(plans)}")
     for problem, choice in tuned.items():

@@ -29,8 +29,9 @@ def render(paths: list[str]) -> str:
                      f"cuBLASLt {v.get('cublasLt')}, cupy {v.get('cupy')}, XLA_FLAGS='{v['XLA_FLAGS']}'")
         single = [r for r in data["rows"] if "shape" in r]
         if single:
-            lines += ["", "| M×K→N | dtype | act | fused_dense µs | XLA jit µs | XLA/fused | in 4: fused / XLA µs "
-                      "| in 4: XLA/fused | nvmath direct µs (host) | nvmath/fused (in 4) | handler host µs |",
+            lines += ["", ("| M×K→N | dtype | act | fused_dense µs | XLA jit µs | XLA/fused "
+                           "| in 4: fused / XLA µs | in 4: XLA/fused | nvmath direct µs (host) "
+                           "| nvmath/fused (in 4) | handler host µs |"),
                       "|---|---|---|---|---|---|---|---|---|---|---|"]
             for r in single:
                 nv_ratio = r["nvmath_us"] / r["fused_in4_us"] if r["nvmath_us"] else None
@@ -46,10 +47,11 @@ def render(paths: list[str]) -> str:
             # "result released": the previous step's result deleted before the next call, and
             # "x donated": x = chain(x, ...) with x's buffer donated; either way every step runs
             # on the same buffers (XLA then launches its recorded graph without updating it).
-            lines += ["", "| chain | act | fused_dense µs/step | XLA µs/step | XLA/fused | (fused − XLA) / layers µs "
-                      "| result released: fused / XLA µs | result released: XLA/fused "
-                      "| x donated: fused / XLA µs | x donated: XLA/fused "
-                      "| handler runs / layer runs | handler host µs/run |",
+            lines += ["", ("| chain | act | fused_dense µs/step | XLA µs/step | XLA/fused "
+                           "| (fused − XLA) / layers µs | result released: fused / XLA µs "
+                           "| result released: XLA/fused "
+                           "| x donated: fused / XLA µs | x donated: XLA/fused "
+                           "| handler runs / layer runs | handler host µs/run |"),
                       "|---|---|---|---|---|---|---|---|---|---|---|---|"]
             for r in chain:
                 depth = int(r["chain"].split("x")[0])

@@ -827,8 +827,8 @@ def _auto_lines(summary: dict | None) -> list[str]:
     s = summary
     lines = [
         '## "auto" against XLA', "",
-        f'Slowest "auto" case against XLA\'s jit: {s["worst_ratio"]:.3f}× ({s["worst_case"]}), '
-        f'over {s["cases"]} cases (XLA µs / auto µs; below 1: auto is slower).',
+        (f'Slowest "auto" case against XLA\'s jit: {s["worst_ratio"]:.3f}× ({s["worst_case"]}), '
+         f'over {s["cases"]} cases (XLA µs / auto µs; below 1: auto is slower).'),
     ]  # fmt: skip
     if s["same_program_cases"]:
         lines.append(

@@ -155,8 +155,9 @@ def test_round_orders():
 
 def test_auto_vs_xla_reads_noise_from_identical_programs():
     def row(contender, us, act="relu", runs=None):
-        r = dict(shape="8x8->8", m=8, k=8, n=8, dtype="bfloat16", bias_dtype="bfloat16", activation=act,
-                 mode="fwd", compute_type=None, contender=contender, us=us)  # fmt: skip
+        r = {"shape": "8x8->8", "m": 8, "k": 8, "n": 8, "dtype": "bfloat16", "bias_dtype": "bfloat16",
+             "activation": act, "mode": "fwd", "compute_type": None, "contender": contender,
+             "us": us}  # fmt: skip
         return r | ({"handler_runs": runs} if runs is not None else {})
 
     rows = [
@@ -508,14 +509,14 @@ def test_backward_variants_compute_the_same_gradients(rng, activation):
     for loss_name, loss in bv.LOSSES.items():
         with jax.default_matmul_precision("highest"):  # XLA's float32 dot on a GPU: not TF32
             grads = {
-                name: jax.grad(lambda x, w, b, f=f: loss(f(x, w, b)), argnums=(0, 1, 2))(x, w, b)
+                name: jax.grad(lambda x, w, b, f=f, loss=loss: loss(f(x, w, b)), argnums=(0, 1, 2))(x, w, b)
                 for name, f in bv.layers(activation).items()
             }
         for name, got in grads.items():
             for g, want in zip(got, grads["xla"]):
                 np.testing.assert_allclose(g, want, rtol=1e-4, atol=1e-4, err_msg=f"{name}, {loss_name}")
-    assert "bgrada" in bv.render([dict(shape="1x1->1", part="kernel gradient", bgrada_us=1.0,
-                                       xla_dot_sum_us=1.0, xla_dot_us=1.0)]).lower()  # fmt: skip
+    assert "bgrada" in bv.render([{"shape": "1x1->1", "part": "kernel gradient", "bgrada_us": 1.0,
+                                   "xla_dot_sum_us": 1.0, "xla_dot_us": 1.0}]).lower()  # fmt: skip
 
 
 def test_forward_reports_the_tuners_choices():
@@ -576,14 +577,14 @@ def test_chain_with_donated_input_feeds_each_result_back(rng, tmp_path):
         np.testing.assert_allclose(step(), want, rtol=1e-6)
     assert not x.is_deleted()  # the caller's array is copied before the first donation
 
-    row = dict(chain="2x 5x3->3", activation="relu", fused_us=80.0, xla_us=100.0, handler_calls=4,
-               layer_runs=400, handler_host_us=20.0, fused_released_us=75.0, xla_released_us=99.0,
-               fused_donated_us=70.0, xla_donated_us=91.0)  # fmt: skip
+    row = {"chain": "2x 5x3->3", "activation": "relu", "fused_us": 80.0, "xla_us": 100.0, "handler_calls": 4,
+           "layer_runs": 400, "handler_host_us": 20.0, "fused_released_us": 75.0, "xla_released_us": 99.0,
+           "fused_donated_us": 70.0, "xla_donated_us": 91.0}  # fmt: skip
     old = {k: v for k, v in row.items() if "donated" not in k and "released" not in k}  # files before the columns
     for rows, cells in (([row], ("75.0 / 99.0 | 1.32×", "70.0 / 91.0 | 1.30×")), ([old], ("— | — | — | —",))):
         path = tmp_path / "forward-x.json"
-        versions = dict(gpu="H200", jax="0.11.2", XLA_FLAGS="")
-        path.write_text(json.dumps(dict(label="x", versions=versions, rows=rows)))
+        versions = {"gpu": "H200", "jax": "0.11.2", "XLA_FLAGS": ""}
+        path.write_text(json.dumps({"label": "x", "versions": versions, "rows": rows}))
         table = report.render([str(path)])
         assert all(cell in table for cell in cells), table
 

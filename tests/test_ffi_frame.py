@@ -147,10 +147,10 @@ def handler():
 
 
 def _attrs(spec):
-    attrs = dict(
-        _key=_ffi.spec_key(spec), problem=spec.problem, epilog=spec.epilog,
-        compute_type=spec.compute_type, m=spec.m, n=spec.n, k=spec.k,
-    )  # fmt: skip
+    attrs = {
+        "_key": _ffi.spec_key(spec), "problem": spec.problem, "epilog": spec.epilog,
+        "compute_type": spec.compute_type, "m": spec.m, "n": spec.n, "k": spec.k,
+    }  # fmt: skip
     if spec.members > 1:  # (as _ffi.call writes them: only for a batched problem)
         attrs |= {"members": spec.members, "shared": spec.shared}
     return attrs

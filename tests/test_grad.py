@@ -7,6 +7,7 @@ forward (whose aux feeds the backward), so the whole file doubles as a GPU test.
 from __future__ import annotations
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -106,7 +107,7 @@ def test_grads_match_float64_reference_vjp(rng, dtype, activation, with_bias, sh
     def f(x, w, *b):
         return fused_dense(x, w, b[0] if b else None, activation=activation)
 
-    y, vjp = jax.vjp(f, *map(jnp.asarray, args))
+    _, vjp = jax.vjp(f, *map(jnp.asarray, args))
     grads = vjp(jnp.asarray(dy))
     mask = reference_relu_mask(x, w, b, dtype) if activation == "relu" else None
     want = reference_vjp(x, w, b, activation, dy, relu_mask=mask)
@@ -294,7 +295,7 @@ def test_vmap_of_grad_gives_per_example_gradients(rng):
     per_example = jax.vmap(jax.grad(lambda x, w, b: fused_dense(x, w, b, activation="gelu").sum(), argnums=1),
                            in_axes=(0, None, None))(x, w, b)
     for i in range(6):
-        one = jax.grad(lambda w: fused_dense(x[i], w, b, activation="gelu").sum())(w)
+        one = jax.grad(lambda w, xi=x[i]: fused_dense(xi, w, b, activation="gelu").sum())(w)
         # Batched and unbatched float32 arithmetic round differently: ~1e-6 apart.
         np.testing.assert_allclose(np.asarray(per_example[i]), np.asarray(one), rtol=1e-4, atol=1e-5)
 
@@ -393,7 +394,7 @@ def test_mlp_training_curve_matches_plain_jnp(rng):
     target = jnp.sin(x[:, :1] * 2) + 0.1 * x[:, 1:2]
     params = [
         (jnp.asarray(rng.standard_normal((i, o)) / np.sqrt(i), jnp.float32), jnp.full((o,), 0.05, jnp.float32))
-        for i, o in zip(sizes[:-1], sizes[1:])
+        for i, o in itertools.pairwise(sizes)
     ]
 
     def mlp(params, x, dense):
@@ -429,10 +430,10 @@ def test_backward_computes_the_bias_gradient_only_with_a_bias(rng, activation):
     weight-gradient op (one cuBLASLt GEMM with the BGRADA epilog on a GPU), ReLU from XLA's
     GEMM and one more reduction; without a bias, a plain GEMM and no reduction."""
     jaxprs = {}
+    layer = functools.partial(fused_dense, activation=activation, implementation="cublaslt")
+    grad = jax.grad(lambda x, w, b: layer(x, w, b).sum(), argnums=(0, 1))
     for with_bias in (True, False):
         x, w, b = make_inputs(rng, (6, 12), 10, "float32", bias=with_bias)
-        layer = lambda x, w, b: fused_dense(x, w, b, activation=activation, implementation="cublaslt")
-        grad = jax.grad(lambda x, w, b: layer(x, w, b).sum(), argnums=(0, 1))
         jaxprs[with_bias] = str(jax.make_jaxpr(grad)(x, w, b))
     fused = activation != "relu"
     assert jaxprs[True].count("jax_epilog_fused_weight_grad") == (1 if fused else 0)

@@ -70,7 +70,7 @@ def main(argv=None):
         x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
         dz = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
         xla_us, xla_sum_us = time_jax_interleaved((wgrad, (x, dz)), (wgrad_sum, (x, dz)))
-        row = dict(shape=f"{m}x{k}->{n}", xla_us=xla_us, xla_sum_us=xla_sum_us)
+        row = {"shape": f"{m}x{k}->{n}", "xla_us": xla_us, "xla_sum_us": xla_sum_us}
         for variant in VARIANTS:
             try:
                 us, err = nvmath_time(variant, np.asarray(x), np.asarray(dz))

@@ -106,8 +106,8 @@ def main(out: str | None = None) -> list[dict]:
         runs = dict.fromkeys(steps, 0)
         times = time_jax_interleaved(*((counted(step, runs, key), ()) for key, step in steps.items()))
         for (key, step), us in zip(steps.items(), times):
-            row = dict(act=activation, program=key[0], pattern=key[1], us=round(us, 1),
-                       handler_runs=runs[key], addresses=distinct[key])  # fmt: skip
+            row = {"act": activation, "program": key[0], "pattern": key[1], "us": round(us, 1),
+                   "handler_runs": runs[key], "addresses": distinct[key]}  # fmt: skip
             rows.append(row)
             print(json.dumps(row), flush=True)
         us = {key: t for key, t in zip(steps, times)}

@@ -812,6 +812,30 @@ def test_grad_floor_probe_times_the_gemms_a_layers_gradient_needs_on_cpu(rng, tm
     assert "XLA / GEMMs (most gain)" in capsys.readouterr().out
 
 
+def test_epilog_rounding_probe_tells_once_from_twice_rounded(rng, tmp_path, capsys):
+    """On the CPU the op's reference adds the bias before rounding (its ReLU bits are the
+    float64 signs) and XLA's plain expression rounds x @ w first (a few bits flip, each
+    within that rounding of the kink); the two models differ on most entries, so the probe
+    can tell them apart. On a GPU only the bound is asserted: what cuBLASLt does is what
+    the probe is for."""
+    from benchmarks.probes import epilog_rounding
+
+    m, k, n = (int(v) for v in rng.integers(17, 90, size=3))
+    epilog_rounding.main(["--shape", str(m), str(k), str(n), "--shape", "96", "300", "40", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "epilog_rounding.json").read_text())["rows"]
+    assert [r["program"] for r in rows] == [*epilog_rounding.programs()] * 2
+    for r in rows:
+        assert r["entries"] == (epilog_rounding.MEMBERS if "ensemble" in r["program"] else 1) * (
+            m * n if r["shape"] == f"{m}x{k}->{n}" else 96 * 40
+        )
+        assert r["flipped_max_abs_z"] <= r["flipped_max_rounding"] + 1e-5, r  # flips only at the kink
+        if jax.default_backend() == "cpu":
+            expected, other = ("twice", "once") if r["program"] == "xla" else ("once", "twice")
+            assert r[expected] > 0.999 and r[other] < 0.9, r
+            assert r["program"] == "xla" or r["bits_flipped"] == 0, r
+    assert "D = twice" in (tmp_path / "epilog_rounding.md").read_text() and "| xla |" in capsys.readouterr().out
+
+
 def test_second_order_probe_times_one_gradient_of_a_penalty_three_ways_on_cpu(rng, tmp_path, capsys):
     from benchmarks.probes import second_order
     from benchmarks.training import layer_inputs

@@ -50,11 +50,13 @@ MLP_CONTENDERS = ("xla", "fused_dense", "fused_mlp", "fused_mlp_cublaslt")
 GRAD_CONTENDERS = ("fused", "auto", "xla")
 
 
-def layer_inputs(m: int, k: int, n: int, rng: np.random.Generator, dtype=jnp.bfloat16):
-    """x ~ N(0, 1) of shape (m, k), kernel ~ N(0, 1/k), bias ~ N(0, 0.01); bf16 unless told."""
+def layer_inputs(
+    m: int, k: int, n: int, rng: np.random.Generator, dtype=jnp.bfloat16, bias_scale: float = 0.1
+):
+    """x ~ N(0, 1) of shape (m, k), kernel ~ N(0, 1/k), bias ~ N(0, bias_scale²); bf16 unless told."""
     x = jnp.asarray(rng.standard_normal((m, k)), dtype)
     w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), dtype)
-    b = jnp.asarray(rng.standard_normal(n) * 0.1, dtype)
+    b = jnp.asarray(rng.standard_normal(n) * bias_scale, dtype)
     return x, w, b
 
 

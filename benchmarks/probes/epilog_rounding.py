@@ -27,35 +27,20 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from benchmarks.forward import main_over_shapes, tuning_choices
+from benchmarks.forward import main_over_shapes
+from benchmarks.run import plan_states
+from benchmarks.training import layer_inputs
 from jax_epilog import fused_dense, unpack_relu_mask
 
-SHAPES = [(33, 129, 65), (40, 24, 72), (256, 784, 100), (128, 8192, 256), (1024, 1024, 515), (8192, 1024, 4096)]
+SHAPES = [
+    (33, 129, 65), (40, 24, 72), (256, 784, 100), (128, 8192, 256), (1024, 1024, 515), (8192, 1024, 4096)
+]
 MEMBERS = 3
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
 def _bf16(a):
     return np.asarray(a, np.float64).astype(BF16).astype(np.float64)
-
-
-def plans() -> dict:
-    """The plans this process has made (none without nvmath-python: the CPU path)."""
-    try:
-        from jax_epilog import _nvmath
-    except ImportError:
-        return {}
-    return dict(_nvmath._plans)
-
-
-def layer_inputs(rng, m, k, n):
-    """Inputs as the GPU tests draw them (tests/test_gpu.py): x ~ N(0, 1), w ~ N(0, 1/k),
-    b ~ N(0, 1), in bfloat16."""
-    return (
-        jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16),
-        jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.bfloat16),
-        jnp.asarray(rng.standard_normal(n), jnp.bfloat16),
-    )
 
 
 def programs():
@@ -103,8 +88,9 @@ def bench(shapes, seed: int = 0) -> list[dict]:
     rows = []
     for m, k, n in shapes:
         for name, (layer, members) in programs().items():
-            before = plans()
-            inputs = [layer_inputs(rng, m, k, n) for _ in range(members)]
+            before = plan_states().get("tuned", {})
+            # As the GPU tests draw them: a bias ~ N(0, 1), as large as x @ w.
+            inputs = [layer_inputs(m, k, n, rng, bias_scale=1.0) for _ in range(members)]
             x, w, b = (jnp.stack(a) if members > 1 else a[0] for a in zip(*inputs))
             d, _ = layer(x, w, b, None)
             _, bits = layer(x, w, b, "relu")
@@ -118,7 +104,8 @@ def bench(shapes, seed: int = 0) -> list[dict]:
             row["bits_flipped"] = sum(p["bits_flipped"] for p in parts)
             for key in ("flipped_max_abs_z", "flipped_max_rounding"):
                 row[key] = max(p[key] for p in parts)
-            row["plans"] = tuning_choices({key: p for key, p in plans().items() if key not in before})
+            tuned = plan_states().get("tuned", {})
+            row["plans"] = {plan: choice for plan, choice in tuned.items() if plan not in before}
             rows.append(row)
             print(row, flush=True)
     return rows

@@ -868,7 +868,8 @@ def test_ensemble_probe_times_each_pass_three_ways_on_cpu(rng, tmp_path, capsys)
     assert not np.allclose(args[1][0], args[1][1])
     for activation in ("relu", "gelu"):
         for pass_, progs in ensemble.programs(activation).items():
-            outs = {c: jax.tree.leaves(f(*args)) for c, f in progs.items()}
+            with jax.default_matmul_precision("highest"):  # XLA's float32 dots as fused_dense's (on a GPU DEFAULT is TF32)
+                outs = {c: jax.tree.leaves(f(*args)) for c, f in progs.items()}
             for c in ("auto", "cublaslt"):
                 for got, want in zip(outs[c], outs["xla"], strict=True):
                     scale = max(1.0, float(np.abs(want).max()))
@@ -907,9 +908,10 @@ def test_mlp_layers_probe_times_each_layers_implementation_on_cpu(rng, tmp_path,
 
     m, d = (int(v) for v in rng.integers(9, 40, size=2))
     args = [jnp.asarray(a, jnp.float32) for a in training.mlp_inputs(m, d)]
-    want = mlp_layers.grad_step("xla", "relu")(*args)
+    full = mlp_layers.Arithmetic.of("float32", False)  # on a GPU, XLA's DEFAULT would be TF32
+    want = mlp_layers.grad_step("xla", "relu", full)(*args)
     for contender in mlp_layers.CONTENDERS[1:]:
-        got = mlp_layers.grad_step(contender, "relu")(*args)
+        got = mlp_layers.grad_step(contender, "relu", full)(*args)
         for g, w in zip(got, want):
             np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4, err_msg=contender)
     mlp_layers.main(["--shape", "24", "8", "--activation", "relu", "gelu", "--out", str(tmp_path)])
@@ -977,10 +979,12 @@ def test_mixed_block_probe_times_gelu_and_relu_layers_in_one_block_on_cpu(rng, t
     m, d = (int(v) for v in rng.integers(9, 40, size=2))
     args = [jnp.asarray(a, jnp.float32) for a in mixed_block.inputs(m, d)]
     assert [a.shape for a in args] == [(m, d), (d, 4 * d), (4 * d,), (4 * d, 4 * d), (4 * d,), (4 * d, d), (d,)]
-    want = mixed_block.grad_step("xla")(*args)
+    with jax.default_matmul_precision("highest"):
+        want = mixed_block.grad_step("xla")(*args)
     assert all(float(jnp.max(jnp.abs(w))) > 0 for w in want)
     for contender in mixed_block.CONTENDERS[1:]:
-        got = mixed_block.grad_step(contender)(*args)
+        with jax.default_matmul_precision("highest"):
+            got = mixed_block.grad_step(contender)(*args)
         for g, w in zip(got, want, strict=True):
             np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4, err_msg=contender)
     mixed_block.main(["--shape", "24", "8", "--out", str(tmp_path)])

@@ -16,7 +16,7 @@ XLA, y > 0) that differ from the float64 sign of z are counted, with the largest
 them: a bit flipped at |z| well above bfloat16's rounding of ``|x @ w|`` would be a bug.
 Twice-rounding flips ReLU bits within that rounding of the kink, which is why GPU tests
 take the op's bit there (tests/helpers.reference_relu_mask) and why the autotuned kernel's
-choice matters (benchmarks/README.md, 2026-12-05 (af)); the plans made are listed.
+choice matters (benchmarks/README.md, 2026-12-05 (af), (ag)); the plans made are listed.
 Results: DIR/epilog_rounding.{json,md}.
 """
 

@@ -153,9 +153,11 @@ def fused_dense(
         COMPUTE_32F_FAST_TF32, COMPUTE_64F, or a ``_PEDANTIC`` form of the first or last).
         ``"auto"``: whichever measured faster on the H200 (benchmarks/README.md):
         cuBLASLt for the forward of large bfloat16 and float16 GELU and ReLU layers
-        (M >= 1024 rows and M*N*K >= 2**33) and for anything the XLA expression cannot
-        reproduce (``return_aux=True``, 16-bit compute types); XLA's own expression and
-        autodiff otherwise (no activation, small layers, float32), and always for the
+        (M >= 1024 rows and M*N*K >= 2**33, K and N multiples of 8) and for anything the
+        XLA expression cannot reproduce (``return_aux=True``, 16-bit compute types); XLA's
+        own expression and autodiff otherwise (no activation, small layers, float32, K or
+        N not a multiple of 8: cuBLASLt's kernels for such rows measured up to 12x slower
+        than XLA on an H100, which ``"cublaslt"`` still runs), and always for the
         backward pass, where XLA's own autodiff measured at least as fast as the backward
         below. On a CPU
         everything runs XLA (``"cublaslt"``: the reference math below, with the GPU
@@ -266,6 +268,16 @@ def _implementation(value, ct: ComputeType, return_aux: bool, owner: str = "fuse
 
 # The operand dtypes whose layers "auto" may run on cuBLASLt: those it measured faster in.
 _AUTO_DTYPES = ("bfloat16", "float16")
+# ... and the row widths: multiples of 8 elements, 16 bytes in those dtypes. cuBLASLt's
+# kernels for other widths (K or N; M does not matter) measured 0.08-0.87x XLA at 8192 rows
+# (H100, bf16, 2026-12-05 (ag): GELU 0.08-0.14x at N = 4097, 4100 and K = 1020, ReLU
+# 0.43x and 0.87x), where N = 4104 or K = 1032 read as 4096 and 1024 do.
+_AUTO_ROW_MULTIPLE = 8
+
+
+def _auto_aligned(*widths: int) -> bool:
+    """Whether every row width (K, N) lets "auto" consider cuBLASLt's kernels."""
+    return all(w % _AUTO_ROW_MULTIPLE == 0 for w in widths)
 
 
 def _auto_fuses(activation: Activation | None, dtype: str, m: int, n: int, k: int) -> bool:
@@ -287,10 +299,14 @@ def _auto_fuses(activation: Activation | None, dtype: str, m: int, n: int, k: in
     Float16 measured as bfloat16 does (the full suite, 2026-12-04 (x): 0.99-1.55x XLA at
     the four 8192-row shapes, bfloat16 1.01-1.58x). Not float32: at 8192x1024->4096 the
     fused kernel tied XLA with full float32 (1.00x) and with TF32 lost for GELU (0.95x:
-    cuBLASLt's TF32 GELU kernel took 318 µs, XLA's GEMM and GELU pass 301)."""
+    cuBLASLt's TF32 GELU kernel took 318 µs, XLA's GEMM and GELU pass 301).
+    Not where K or N is not a multiple of 8 (``_AUTO_ROW_MULTIPLE``): up to 12x slower."""
     if not known_sizes(m, n, k):
         return False
-    return activation is not None and dtype in _AUTO_DTYPES and m >= 1024 and m * n * k >= 2**33
+    return (
+        activation is not None and dtype in _AUTO_DTYPES and _auto_aligned(n, k)
+        and m >= 1024 and m * n * k >= 2**33
+    )  # fmt: skip
 
 
 def _plain(x, kernel, bias, config: _Config):

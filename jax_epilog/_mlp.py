@@ -27,6 +27,7 @@ from . import _reference
 from ._dense import (
     _AUTO_DTYPES,
     _XLA_COMPUTE_TYPES,
+    _auto_aligned,
     _auto_fuses,
     _check_array,
     _dtype_name,
@@ -100,15 +101,16 @@ def fused_mlp(
     the layers run together in one program (the third):
 
     - A GELU layer feeding another layer, with ``"cublaslt"``, or with ``"auto"`` on 8192
-      rows or more in bfloat16 or float16 (where it measured faster than XLA; fewer rows
-      measured 0.90-0.96x; linked float32 blocks 0.87-1.00x, 2026-12-04 (y)):
+      rows or more in bfloat16 or float16, every width a multiple of 8 (where it measured
+      faster than XLA; fewer rows measured 0.90-0.96x; linked float32 blocks 0.87-1.00x,
+      2026-12-04 (y)):
       the backward forms the GELU layer's ``dz`` in the next layer's input-gradient GEMM,
       with cuBLASLt's DGELU epilog on a GPU (the reference math of that GEMM elsewhere).
       The product then meets ``gelu'(z)`` in float32 before rounding once, where
       separate calls round it to x's dtype first.
     - A ReLU layer feeding another layer, with ``"auto"``, on a layer large enough for
-      ``fused_dense``'s "auto" forward to fuse it (bfloat16 or float16, M >= 1024 rows
-      and M*N*K >= 2**33):
+      ``fused_dense``'s "auto" forward to fuse it (bfloat16 or float16, M >= 1024 rows,
+      M*N*K >= 2**33, K and N multiples of 8):
       it runs as ``"cublaslt"`` does, the fused kernel keeping its bit-mask for the
       backward (XLA's GEMMs and reduction from it). In a ReLU block's fwd+bwd that
       measured 1.04-1.06x XLA's autodiff at 8192x1024->4096->1024 and 1.00-1.02x at
@@ -116,7 +118,7 @@ def fused_mlp(
       2026-12-04 (v)); a lone ``fused_dense`` whose output a loss reads keeps XLA's
       autodiff, where the same backward measured 0.92-1.02x.
     - A block of two or more bfloat16 or float16 layers on 512 to 1536 rows, one of them
-      with M*N*K >= 2**31, with ``"auto"``: every layer runs as ``"cublaslt"`` (forward
+      with M*N*K >= 2**31 and every width a multiple of 8, with ``"auto"``: every layer runs as ``"cublaslt"`` (forward
       and backward), where XLA's forward measured the slower (its Triton GEMMs, a separate
       GELU pass): the block's fwd+bwd read 1.05-1.20x XLA's (ReLU) and 1.00-1.17x (GELU) at
       512-1536 rows and D = 768, 1024 (0.98-1.08x at D = 2048; H200; benchmarks/README.md,
@@ -133,7 +135,7 @@ def fused_mlp(
     implementation (XLA's GEMM and reduction for ``"auto"``).
 
     Without a link (no GELU layer before the last one, ``"xla"``, float64, or ``"auto"``
-    on fewer rows or in float32) ``fused_mlp`` is the stack of ``fused_dense`` calls, each
+    on fewer rows, in float32 or with a width not a multiple of 8) ``fused_mlp`` is the stack of ``fused_dense`` calls, each
     with ``implementation``, except the ReLU layers of the second case and the blocks of the
     third, which run as ``"cublaslt"``. Forward mode then works where each call's
     implementation allows it (``"auto"``, ``"xla"``; not ``"cublaslt"``). With a link it
@@ -158,9 +160,10 @@ def fused_mlp(
     m = math.prod(x.shape[:-1])
     ks = [x.shape[-1], *(kernel.shape[1] for kernel, _ in layers)]
     gelu_feeds_a_layer = any(act is Activation.GELU for act, _, _ in checked[:-1])
-    # "auto"'s cuBLASLt rules below hold in the dtypes they were measured in, and need the
-    # sizes (not symbolic ones: jax.export).
-    auto = impl == "auto" and dtype in _AUTO_DTYPES and known_sizes(m, *ks)
+    # "auto"'s cuBLASLt rules below hold in the dtypes and row widths they were measured in
+    # (cuBLASLt's kernels for widths not a multiple of 8 are far slower: _auto_aligned), and
+    # need the sizes (not symbolic ones: jax.export).
+    auto = impl == "auto" and dtype in _AUTO_DTYPES and known_sizes(m, *ks) and _auto_aligned(*ks)
     link = gelu_feeds_a_layer and (impl == "cublaslt" or (auto and m >= _AUTO_LINK_MIN_ROWS))
     # With "auto", the large layers (_auto_fuses) whose fused backward measured faster than
     # XLA's autodiff in a block: GELU layers (linked, above), and ReLU layers whose output a

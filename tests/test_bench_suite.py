@@ -25,7 +25,7 @@ def test_quick_plan():
     cases = run.plan(full=False)
     assert _shapes(cases) == {
         (256, 784, 100), (8192, 1024, 4096), (8192, 4096, 16384), (8192, 4096, 1024),
-        (64, 4096, 16384), (1000, 1000, 1003),
+        (64, 4096, 16384), (1000, 1000, 1003), (8192, 1024, 4097),
     }  # fmt: skip
     seed = [c for c in cases if c.m == 256]
     assert {(c.dtype, c.bias_dtype) for c in seed} == {("float16", "float32")}

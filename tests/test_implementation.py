@@ -113,6 +113,29 @@ def test_auto_fuses_large_forward_passes_only(activation):
     assert FUSED not in _jaxpr(tf32, *as_dtype(jnp.float32))
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("activation", ["gelu", "relu"])
+@pytest.mark.parametrize(
+    "m,k,n,fused",
+    [
+        (8192, 1024, 4096, True),
+        (8191, 1024, 4096, True),  # M does not matter: no operand's rows are M wide
+        (8192, 1032, 4104, True),  # multiples of 8 that are not of 16 or 128
+        (8192, 1024, 4097, False),  # cuBLASLt's kernels for these rows: 0.08-0.87x XLA
+        (8192, 1024, 4100, False),
+        (8192, 1020, 4096, False),
+        (8192, 1023, 4097, False),
+    ],
+)
+def test_auto_leaves_rows_not_a_multiple_of_8_to_xla(m, k, n, fused, activation, dtype):
+    """K and N (the rows of x, kernel and y) must be multiples of 8 elements for "auto" to
+    fuse a large layer; "cublaslt" still runs the fused kernel there."""
+    args = [jax.ShapeDtypeStruct(s, dtype) for s in ((m, k), (k, n), (n,))]
+    f = functools.partial(fused_dense, activation=activation)
+    assert (FUSED in _jaxpr(f, *args)) == fused
+    assert FUSED in _jaxpr(functools.partial(f, implementation="cublaslt"), *args)
+
+
 @pytest.mark.parametrize("activation", ["relu", "gelu"])
 @pytest.mark.parametrize("argnums", [(0, 1, 2), (1, 2), (0,), (1,)])
 def test_auto_gradient_of_a_fused_layer_is_the_users_program(activation, argnums):

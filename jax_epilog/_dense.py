@@ -271,7 +271,8 @@ _AUTO_DTYPES = ("bfloat16", "float16")
 # ... and the row widths: multiples of 8 elements, 16 bytes in those dtypes. cuBLASLt's
 # kernels for other widths (K or N; M does not matter) measured 0.08-0.87x XLA at 8192 rows
 # (H100, bf16, 2026-12-05 (ag): GELU 0.08-0.14x at N = 4097, 4100 and K = 1020, ReLU
-# 0.43x and 0.87x), where N = 4104 or K = 1032 read as 4096 and 1024 do.
+# 0.43x and 0.87x; on the H200 0.12x and 0.42x at N = 4097), where N = 4104 or K = 1032
+# read as 4096 and 1024 do.
 _AUTO_ROW_MULTIPLE = 8
 
 

@@ -118,13 +118,14 @@ def fused_mlp(
       2026-12-04 (v)); a lone ``fused_dense`` whose output a loss reads keeps XLA's
       autodiff, where the same backward measured 0.92-1.02x.
     - A block of two or more bfloat16 or float16 layers on 512 to 1536 rows, one of them
-      with M*N*K >= 2**31 and every width a multiple of 8, with ``"auto"``: every layer runs as ``"cublaslt"`` (forward
-      and backward), where XLA's forward measured the slower (its Triton GEMMs, a separate
-      GELU pass): the block's fwd+bwd read 1.05-1.20x XLA's (ReLU) and 1.00-1.17x (GELU) at
-      512-1536 rows and D = 768, 1024 (0.98-1.08x at D = 2048; H200; benchmarks/README.md,
-      2026-12-04 (w) and (x)). Float32 blocks keep ``fused_dense``'s rule (XLA's
-      program): every layer on cuBLASLt read 0.97-1.01x XLA's fwd+bwd at 1024-8192 rows
-      with full float32 and 0.90-1.04x with TF32 (2026-12-04 (y)).
+      with M*N*K >= 2**31 and every width a multiple of 8, with ``"auto"``: every layer
+      runs as ``"cublaslt"`` (forward and backward), where XLA's forward measured the
+      slower (its Triton GEMMs, a separate GELU pass): the block's fwd+bwd read
+      1.05-1.20x XLA's (ReLU) and 1.00-1.17x (GELU) at 512-1536 rows and D = 768, 1024
+      (0.98-1.08x at D = 2048; H200; benchmarks/README.md, 2026-12-04 (w) and (x)).
+      Float32 blocks keep ``fused_dense``'s rule (XLA's program): every layer on
+      cuBLASLt read 0.97-1.01x XLA's fwd+bwd at 1024-8192 rows with full float32 and
+      0.90-1.04x with TF32 (2026-12-04 (y)).
 
     In a linked block (the first case) forward passes follow ``fused_dense``'s rule per
     layer, except that with ``"auto"`` a ReLU layer that is the last one, or too small,
@@ -135,8 +136,8 @@ def fused_mlp(
     implementation (XLA's GEMM and reduction for ``"auto"``).
 
     Without a link (no GELU layer before the last one, ``"xla"``, float64, or ``"auto"``
-    on fewer rows, in float32 or with a width not a multiple of 8) ``fused_mlp`` is the stack of ``fused_dense`` calls, each
-    with ``implementation``, except the ReLU layers of the second case and the blocks of the
+    on fewer rows, in float32 or with a width not a multiple of 8) ``fused_mlp`` is the
+    stack of ``fused_dense`` calls, each with ``implementation``, except the ReLU layers of the second case and the blocks of the
     third, which run as ``"cublaslt"``. Forward mode then works where each call's
     implementation allows it (``"auto"``, ``"xla"``; not ``"cublaslt"``). With a link it
     is a ``jax.custom_vjp``: forward mode raises, but its gradient differentiates again in

@@ -868,7 +868,8 @@ def test_ensemble_probe_times_each_pass_three_ways_on_cpu(rng, tmp_path, capsys)
     assert not np.allclose(args[1][0], args[1][1])
     for activation in ("relu", "gelu"):
         for pass_, progs in ensemble.programs(activation).items():
-            with jax.default_matmul_precision("highest"):  # XLA's float32 dots as fused_dense's (on a GPU DEFAULT is TF32)
+            # XLA's float32 dots as fused_dense's (on a GPU, DEFAULT is TF32)
+            with jax.default_matmul_precision("highest"):
                 outs = {c: jax.tree.leaves(f(*args)) for c, f in progs.items()}
             for c in ("auto", "cublaslt"):
                 for got, want in zip(outs[c], outs["xla"], strict=True):

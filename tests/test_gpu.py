@@ -384,8 +384,8 @@ def test_the_cublaslt_gradient_on_leading_dimensions_matches_the_expressions(rng
     if activation == "relu":
         # cuBLASLt's epilog may round x @ w to bfloat16 before adding the bias, so near the
         # kink its bit may differ from z > 0 and flip a whole row of dx (seen on the H100,
-        # 2026-12-05 (ae); the probe of (ag) found this shape's kernel rounding first). Away from it the folded mask must be z > 0; near it the expression
-        # takes the op's bit.
+        # 2026-12-05 (ae); (ag)'s probe found this shape's kernel rounding first). Away
+        # from it the folded mask must be z > 0; near it the expression takes the op's bit.
         mask = jnp.asarray(reference_relu_mask(x.reshape(3, 11, 129), w, b, "bfloat16"), jnp.float32)
         act = lambda z: masked_relu(z, mask)
     x = x.reshape(3, 11, 129)

@@ -21,7 +21,7 @@ from ._epilogs import (
     known_sizes,
     valid_compute_types,
 )
-from ._primitive import fused_matmul, fused_weight_grad
+from ._primitive import fast_rows, fused_matmul, fused_weight_grad
 from ._sharding import like
 
 __all__ = ["fused_dense"]
@@ -268,17 +268,6 @@ def _implementation(value, ct: ComputeType, return_aux: bool, owner: str = "fuse
 
 # The operand dtypes whose layers "auto" may run on cuBLASLt: those it measured faster in.
 _AUTO_DTYPES = ("bfloat16", "float16")
-# ... and the row widths: multiples of 8 elements, 16 bytes in those dtypes. cuBLASLt's
-# kernels for other widths (K or N; M does not matter) measured 0.08-0.87x XLA at 8192 rows
-# (H100, bf16, 2026-12-05 (ag): GELU 0.08-0.14x at N = 4097, 4100 and K = 1020, ReLU
-# 0.43x and 0.87x; on the H200 0.12x and 0.42x at N = 4097), where N = 4104 or K = 1032
-# read as 4096 and 1024 do.
-_AUTO_ROW_MULTIPLE = 8
-
-
-def _auto_aligned(*widths: int) -> bool:
-    """Whether every row width (K, N) lets "auto" consider cuBLASLt's kernels."""
-    return all(w % _AUTO_ROW_MULTIPLE == 0 for w in widths)
 
 
 def _auto_fuses(activation: Activation | None, dtype: str, m: int, n: int, k: int) -> bool:
@@ -301,12 +290,14 @@ def _auto_fuses(activation: Activation | None, dtype: str, m: int, n: int, k: in
     the four 8192-row shapes, bfloat16 1.01-1.58x). Not float32: at 8192x1024->4096 the
     fused kernel tied XLA with full float32 (1.00x) and with TF32 lost for GELU (0.95x:
     cuBLASLt's TF32 GELU kernel took 318 µs, XLA's GEMM and GELU pass 301).
-    Not where K or N is not a multiple of 8 (``_AUTO_ROW_MULTIPLE``): up to 12x slower."""
+    K or N not a multiple of 8: such layers are large enough for the call to pad its rows
+    (``_primitive.fast_rows``); unpadded, cuBLASLt's kernels for them measured 0.08-0.87x
+    XLA, padded 1.09-2.36x (H100, 2026-12-05 (ah))."""
     if not known_sizes(m, n, k):
         return False
     return (
-        activation is not None and dtype in _AUTO_DTYPES and _auto_aligned(n, k)
-        and m >= 1024 and m * n * k >= 2**33
+        activation is not None and dtype in _AUTO_DTYPES and m >= 1024 and m * n * k >= 2**33
+        and fast_rows(m, n, k, dtype)
     )  # fmt: skip
 
 

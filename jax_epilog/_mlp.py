@@ -27,7 +27,6 @@ from . import _reference
 from ._dense import (
     _AUTO_DTYPES,
     _XLA_COMPUTE_TYPES,
-    _auto_aligned,
     _auto_fuses,
     _check_array,
     _dtype_name,
@@ -37,7 +36,7 @@ from ._dense import (
     weight_grads,
 )
 from ._epilogs import Activation, ComputeType, aux_padded_width, known_sizes
-from ._primitive import fused_gelu_input_grad, fused_matmul
+from ._primitive import fast_rows, fused_gelu_input_grad, fused_matmul
 from ._sharding import like
 
 __all__ = ["fused_mlp"]
@@ -161,10 +160,14 @@ def fused_mlp(
     m = math.prod(x.shape[:-1])
     ks = [x.shape[-1], *(kernel.shape[1] for kernel, _ in layers)]
     gelu_feeds_a_layer = any(act is Activation.GELU for act, _, _ in checked[:-1])
-    # "auto"'s cuBLASLt rules below hold in the dtypes and row widths they were measured in
-    # (cuBLASLt's kernels for widths not a multiple of 8 are far slower: _auto_aligned), and
+    # "auto"'s cuBLASLt rules below hold in the dtypes they were measured in, for calls on
+    # rows 16 bytes apart (widths that are multiples of 8, or layers large enough for the
+    # call to pad them: cuBLASLt's kernels for other rows are far slower, fast_rows), and
     # need the sizes (not symbolic ones: jax.export).
-    auto = impl == "auto" and dtype in _AUTO_DTYPES and known_sizes(m, *ks) and _auto_aligned(*ks)
+    auto = (
+        impl == "auto" and dtype in _AUTO_DTYPES and known_sizes(m, *ks)
+        and all(fast_rows(m, n, k, dtype) for k, n in itertools.pairwise(ks))
+    )  # fmt: skip
     link = gelu_feeds_a_layer and (impl == "cublaslt" or (auto and m >= _AUTO_LINK_MIN_ROWS))
     # With "auto", the large layers (_auto_fuses) whose fused backward measured faster than
     # XLA's autodiff in a block: GELU layers (linked, above), and ReLU layers whose output a

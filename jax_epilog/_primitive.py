@@ -52,7 +52,14 @@ from ._sharding import (
     whole_leading,
 )
 
-__all__ = ["FastPathWarning", "MembersLoopWarning", "fused_gelu_input_grad", "fused_matmul", "fused_weight_grad"]
+__all__ = [
+    "FastPathWarning",
+    "MembersLoopWarning",
+    "fast_rows",
+    "fused_gelu_input_grad",
+    "fused_matmul",
+    "fused_weight_grad",
+]
 
 
 class FastPathWarning(RuntimeWarning):
@@ -256,7 +263,64 @@ def _forward_spec(avals, *, activation, with_aux, compute_type, d_dtype, out_dty
     if np.dtype(x_aval.dtype) == np.float64 or empty or one_row_f32_d:
         return None
     b_aval = avals[2] if len(avals) > 2 else None
-    return spec_of(x_aval, k_aval, b_aval, activation, with_aux, compute_type, d_dtype)
+    return _padded_rows(spec_of(x_aval, k_aval, b_aval, activation, with_aux, compute_type, d_dtype))
+
+
+# cuBLASLt's fast kernels need every matrix's rows 16 bytes apart: a row width (K or N,
+# the leading dimensions of its column-major matrices; M is none) that is not a multiple
+# of 8 half or 4 single elements measured 0.08-0.87x XLA at 8192 rows (benchmarks/README.md
+# (ag)). So a large fused call zero-pads those widths up to such a multiple and slices its
+# results back: zero columns of x and rows of the kernel add nothing to a product, and the
+# extra columns they make are dropped. The aux needs neither: its rows are padded already
+# (to 8 elements for GELU, 128 bits for ReLU). Padding costs a copy of each padded operand
+# and result, XLA ops beside the call: 3-17x faster at 8192 rows, 9-20 µs slower at
+# 1000x1000->1003 and 256x784->100 (H100, 2026-12-05 (ah), benchmarks/probes/row_padding.py),
+# so only problems of at least _PAD_MIN_WORK = M*N*K (times the members) pad. _ROW_BYTES
+# = 1 turns the padding off (for probes).
+_ROW_BYTES = 16
+_PAD_MIN_WORK = 2**33
+
+
+def _row_width(width: int, dtype) -> int:
+    """``width`` rounded up to whole ``_ROW_BYTES`` of ``dtype``: the width a fused call's
+    matrices have for a row of ``width`` elements."""
+    multiple = max(1, _ROW_BYTES // np.dtype(dtype).itemsize)
+    return -(-width // multiple) * multiple
+
+
+def _padded_rows(spec: EpilogSpec) -> EpilogSpec:
+    """``spec`` with its row widths (N and K) padded for cuBLASLt's fast kernels, where the
+    problem is large enough to gain."""
+    if spec.m * spec.n * spec.k * spec.members < _PAD_MIN_WORK:
+        return spec
+    return spec._replace(n=_row_width(spec.n, spec.ab_dtype), k=_row_width(spec.k, spec.ab_dtype))
+
+
+def fast_rows(m: int, n: int, k: int, dtype) -> bool:
+    """Whether a fused call on ``dtype``'s (m, k) x and (k, n) kernel gets rows 16 bytes
+    apart: K and N are whole rows already, or the problem is large enough to be padded."""
+    aligned = _row_width(n, dtype) == n and _row_width(k, dtype) == k
+    return aligned or m * n * k >= _PAD_MIN_WORK
+
+
+def _pad_to(value, *sizes):
+    """``value`` with zeros appended to its last ``len(sizes)`` dimensions up to ``sizes``."""
+    lead = value.ndim - len(sizes)
+    widths = [(0, 0)] * lead + [(0, want - have) for have, want in zip(value.shape[lead:], sizes, strict=True)]
+    return jnp.pad(value, widths) if any(w for _, w in widths) else value
+
+
+def _cut_to(value, *sizes):
+    """``value``'s leading block of ``sizes`` in its last dimensions (undoes ``_pad_to``)."""
+    lead = value.ndim - len(sizes)
+    if value.shape[lead:] == tuple(sizes):
+        return value
+    return value[(Ellipsis, *(slice(0, size) for size in sizes))]
+
+
+def _padded_forward_operands(spec: EpilogSpec, x, kernel, *bias):
+    """A forward's operands (members leading where they have them), padded to ``spec``."""
+    return (_pad_to(x, spec.k), _pad_to(kernel, spec.k, spec.n), *(_pad_to(b, spec.n) for b in bias))
 
 
 def _with_rows_folded(lowering, layout_of):
@@ -299,9 +363,10 @@ def _cuda_lowering(ctx, x, kernel, *bias, **params):
     spec = _forward_spec(ctx.avals_in, **params)
 
     def fused(x, kernel, *bias):
-        # D in the epilog's dtype, then the aux as the primitive returns it.
+        # D (padded rows) in the epilog's dtype, then the aux as the primitive returns it.
         results = [jax.ShapeDtypeStruct((spec.m, spec.n), params["d_dtype"]), *_results(ctx.avals_out[1:])]
-        d, *aux = _ffi.call((x, kernel, *bias), results, spec)
+        d, *aux = _ffi.call(_padded_forward_operands(spec, x, kernel, *bias), results, spec)
+        d = _cut_to(d, kernel.shape[1])
         return [d.astype(params["out_dtype"]), *aux]  # a no-op cast unless the epilog ran in float32
 
     return _lower_fused_or_reference(ctx, (x, kernel, *bias), spec, _reference_lowering, params, fused)
@@ -387,14 +452,16 @@ def _wgrad_cuda_lowering(ctx, x, dz, *, compute_type, d_dtype):
     runs = np.dtype(x_aval.dtype) != np.float64 and 0 not in (m, k, n) and k != 1
     if not _symbolic(*ctx.avals_in) and runs:
         dt = np.dtype(d_dtype).name
-        spec = EpilogSpec(
+        spec = _padded_rows(EpilogSpec(
             m=int(m), n=int(n), k=int(k), epilog="BGRADA",
             compute_type=ComputeType(compute_type).name, ab_dtype=np.dtype(x_aval.dtype).name,
             bias_dtype=dt, d_dtype=dt, problem="wgrad",
-        )  # fmt: skip
+        ))  # fmt: skip
 
     def fused(x, dz):
-        return _ffi.call((x, dz), _results(ctx.avals_out), spec)
+        results = [jax.ShapeDtypeStruct((spec.k, spec.n), d_dtype), jax.ShapeDtypeStruct((spec.n,), d_dtype)]
+        dkernel, dbias = _ffi.call((_pad_to(x, spec.k), _pad_to(dz, spec.n)), results, spec)
+        return [_cut_to(dkernel, k, n), _cut_to(dbias, n)]
 
     return _lower_fused_or_reference(ctx, (x, dz), spec, _wgrad_reference_lowering, params, fused)
 
@@ -480,14 +547,17 @@ def _igrad_cuda_lowering(ctx, dz, kernel, aux, *, compute_type):
     # H200). XLA computes both.
     runs = np.dtype(dz_aval.dtype) != np.float64 and 0 not in (m, k, n) and 1 not in (m, n)
     if not _symbolic(*ctx.avals_in) and runs:
-        spec = EpilogSpec(
+        spec = _padded_rows(EpilogSpec(
             m=int(m), n=int(n), k=int(k), epilog="DGELU",
             compute_type=ComputeType(compute_type).name, ab_dtype=np.dtype(dz_aval.dtype).name,
             bias_dtype=None, d_dtype=np.dtype(aux_aval.dtype).name, problem="dgrad",
-        )  # fmt: skip
+        ))  # fmt: skip
 
     def fused(dz, kernel, aux):
-        return _ffi.call((dz, kernel, aux), _results(ctx.avals_out), spec)
+        # (the aux's rows, round_up(k, 8) wide, are padded already)
+        results = [jax.ShapeDtypeStruct((spec.m, spec.k), aux.dtype)]
+        (d,) = _ffi.call((_pad_to(dz, spec.n), _pad_to(kernel, spec.k, spec.n), aux), results, spec)
+        return [_cut_to(d, k)]
 
     return _lower_fused_or_reference(ctx, (dz, kernel, aux), spec, _igrad_reference_lowering, params, fused)
 
@@ -639,7 +709,7 @@ def _members_cuda_lowering(ctx, *operands, inner_params, batched, depth, partiti
     if spec is None or math.prod(lead) < 2:
         return loop(ctx, *operands)  # (each member's call warns where it must)
     shared = ",".join(name for name, b in zip(("x", "kernel", "bias"), batched) if not b)
-    spec = spec._replace(members=math.prod(lead), shared=shared)
+    spec = _padded_rows(spec._replace(members=math.prod(lead), shared=shared))
     refusal = _fast_path_refusal(spec)
     if refusal is not None:
         _warn_once(refusal, f"{spec.members} members run one fused call each, not one batched call", MembersLoopWarning)
@@ -648,9 +718,10 @@ def _members_cuda_lowering(ctx, *operands, inner_params, batched, depth, partiti
     def batched_call(*ops):
         flat = [o.reshape(spec.members, *o.shape[depth:]) if b else o for o, b in zip(ops, batched)]
         results = [jax.ShapeDtypeStruct((spec.members, *a.shape[depth:]), a.dtype) for a in ctx.avals_out]
-        results[0] = jax.ShapeDtypeStruct(results[0].shape, params["d_dtype"])  # D in the epilog's dtype
-        d, *aux = _ffi.call(tuple(flat), results, spec)
-        outs = [d.astype(params["out_dtype"]), *aux]
+        # D (padded rows) in the epilog's dtype
+        results[0] = jax.ShapeDtypeStruct((spec.members, spec.m, spec.n), params["d_dtype"])
+        d, *aux = _ffi.call(_padded_forward_operands(spec, *flat), results, spec)
+        outs = [_cut_to(d, ctx.avals_out[0].shape[-1]).astype(params["out_dtype"]), *aux]
         return [o.reshape(*lead, *o.shape[1:]) for o in outs]
 
     return mlir.lower_fun(batched_call, multiple_results=True)(ctx, *operands)

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import ENSEMBLES, act_fn
+from helpers import ENSEMBLES, GRAD_TOL, TOL, act_fn, assert_near
 from jax.interpreters import mlir
 
 import jax_epilog
@@ -388,3 +388,101 @@ def test_the_cuda_lowerings_row_folding_keeps_the_values(rng, cuda_lowerings_on_
     aux = jax.jit(functools.partial(op, activation=activation, return_aux=True))(x, w, b)[1]
     want = _reference.dense(x.reshape(30, 17), w, b, Activation(activation), ComputeType.COMPUTE_64F, np.float64, True)
     np.testing.assert_array_equal(aux.reshape(30, -1), want[1])
+
+
+def _reference_call(seen: list, operands, results, spec):
+    """The custom call's results from its problem's reference math on the operands it is
+    handed, whose shapes must be the problem's (padded) sizes. Appends ``spec`` to ``seen``."""
+    seen.append(spec)
+    ct = ComputeType[spec.compute_type]
+    d_dtype = results[0].dtype
+    if spec.problem == "wgrad":
+        x, dz = operands
+        assert (x.shape[-1], dz.shape[-1]) == (spec.k, spec.n)
+        outs = _reference.weight_grad(x, dz, ct, d_dtype, with_bias=True)
+    elif spec.problem == "dgrad":
+        dz, kernel, aux = operands
+        assert (dz.shape[-1], kernel.shape) == (spec.n, (spec.k, spec.n))
+        outs = [_reference.gelu_input_grad(dz, kernel, aux, ct)]
+    else:
+        x, kernel, *bias = operands
+        assert (x.shape[-1], kernel.shape[-2:]) == (spec.k, (spec.k, spec.n))
+        assert all(b.shape[-1] == spec.n for b in bias)
+
+        def one(x, kernel, *bias):
+            return _reference.dense(x, kernel, bias[0] if bias else None, spec.activation, ct, d_dtype, spec.has_aux)
+
+        if spec.members > 1:
+            names = ("x", "kernel", "bias")[: len(operands)]
+            one = jax.vmap(one, in_axes=[None if spec.is_shared(name) else 0 for name in names])
+        d, aux = one(x, kernel, *bias)
+        outs = [d] if aux is None else [d, aux]
+    assert [(o.shape, o.dtype) for o in outs] == [(r.shape, r.dtype) for r in results]
+    return list(outs)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_calls_pad_row_widths_and_slice_their_results(rng, monkeypatch, cuda_lowerings_on_cpu, cublaslt_accepts, dtype):
+    """With K = 29 and N = 65 (rows not 16 bytes apart), and padding asked for at any size,
+    every custom call gets operands
+    padded with zeros to whole 16-byte rows (the forward's, BGRADA's, fused_mlp's DGELU
+    and an ensemble's batched call), and the layer's values, aux and gradients equal those
+    of the same calls made unpadded (``_ROW_BYTES = 1``). The custom call runs its
+    reference math here, on the CPU, and checks its operands' shapes."""
+    seen: list = []
+    monkeypatch.setattr(_primitive._ffi, "call", functools.partial(_reference_call, seen))
+    monkeypatch.setattr(_primitive, "_PAD_MIN_WORK", 0)
+    multiple = 16 // np.dtype(jnp.dtype(dtype)).itemsize
+    x = jnp.asarray(rng.standard_normal((3, 11, 29)), dtype)
+    w = jnp.asarray(rng.standard_normal((29, 65)) / 6, dtype)
+    b, w2 = jnp.asarray(rng.standard_normal(65), dtype), jnp.asarray(rng.standard_normal((65, 6)) / 8, dtype)
+    ws, bs = jnp.stack([w, -w]), jnp.stack([b, 2 * b])
+    loss = lambda f: jax.jit(jax.grad(lambda *a: jnp.sum(jnp.sin(f(*a).astype(jnp.float32))), argnums=(0, 1, 2)))
+    cases = {
+        "relu": lambda x, w, b: op(x, w, b, activation="relu", return_aux=True)[0],
+        "gelu": lambda x, w, b: op(x, w, b, activation="gelu"),
+        "mlp": lambda x, w, b: fused_mlp(x, [(w, b), (w2, None)], ["gelu", None], implementation="cublaslt"),
+        "members": lambda x, w, b: jax.vmap(lambda w, b: op(x, w, b, activation="gelu"))(ws + w, bs + b),
+    }
+    aux = {act: jax.jit(functools.partial(op, activation=act, return_aux=True)) for act in ("relu", "gelu")}
+
+    def results():
+        values = {name: jax.jit(f)(x, w, b) for name, f in cases.items()}
+        grads = {name: loss(f)(x, w, b) for name, f in cases.items()}
+        return values, grads, {act: f(x, w, b)[1] for act, f in aux.items()}
+
+    padded = results()
+    assert {(s.problem, s.members > 1) for s in seen} == {("forward", False), ("forward", True), ("wgrad", False), ("dgrad", False)}
+    assert all(s.n % multiple == 0 and s.k % multiple == 0 for s in seen)
+    seen.clear()
+    monkeypatch.setattr(_primitive, "_ROW_BYTES", 1)
+    unpadded = results()
+    assert {(s.n, s.k) for s in seen if s.problem == "forward"} == {(65, 29), (6, 65)}  # (fused_mlp's second layer)
+    # (XLA's CPU GEMMs may sum in another order in the two programs: bf16 gradients moved by
+    # a few units in the last place of their largest entry.)
+    for name in cases:
+        assert_near(padded[0][name], unpadded[0][name], TOL[dtype], f"{name} value")
+        for arg, got, want in zip("xwb", padded[1][name], unpadded[1][name], strict=True):
+            assert_near(got, want, GRAD_TOL[dtype], f"{name} d{arg}")
+    # The aux: ReLU's bits and GELU's z over the N real columns (the padding is unspecified).
+    relu_bits = lambda a: np.unpackbits(np.asarray(a), axis=-1, bitorder="little")[..., :65]
+    np.testing.assert_array_equal(relu_bits(padded[2]["relu"]), relu_bits(unpadded[2]["relu"]))
+    assert_near(padded[2]["gelu"][..., :65], unpadded[2]["gelu"][..., :65], TOL[dtype], "GELU aux")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_only_large_problems_pad_their_rows(cublaslt_accepts, dtype):
+    """At 8192 rows (M*N*K >= 2**33) K = 1020 and N = 4097 go to the call padded to 16-byte
+    rows (1024 and 4104 in bfloat16; 1020 and 4100 in float32), the layer's result cut
+    back; at 2048 rows (M*N*K < 2**33) they stay as they are."""
+    pad = {"bfloat16": (1024, 4104), "float32": (1020, 4100)}[dtype]
+    for m, (k, n) in ((8192, pad), (2048, (1020, 4097))):
+        args = [jax.ShapeDtypeStruct(s, dtype) for s in ((m, 1020), (1020, 4097), (4097,))]
+        text = _cuda_text(functools.partial(op, activation="gelu"), *args)
+        (call,) = _calls(text)
+        assert f"m = {m}" in call and f"n = {n}" in call and f"k = {k}" in call, call
+        assert call.endswith(f"-> tensor<{m}x{n}x{_MLIR_TYPE[dtype]}>")
+        assert f"-> tensor<{m}x4097x{_MLIR_TYPE[dtype]}>" in text  # the user's y
+
+
+_MLIR_TYPE = {"bfloat16": "bf16", "float32": "f32"}

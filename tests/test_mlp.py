@@ -18,8 +18,8 @@ import pytest
 from helpers import ON_GPU, act_fn, assert_near, assert_relatively_close, np_dtype
 from jax.test_util import check_grads
 
-from jax_epilog import _dense as dense_module
 from jax_epilog import _mlp as mlp_module
+from jax_epilog import _primitive as primitive_module
 from jax_epilog import fused_dense, fused_mlp
 from jax_epilog._epilogs import ComputeType, aux_padded_width
 from jax_epilog._primitive import fused_gelu_input_grad
@@ -249,8 +249,9 @@ def test_auto_link_on_many_rows_matches_float64_reference_vjp(rng, monkeypatch, 
     """The linked path of "auto" (XLA forward saving z, ReLU's derivative from y > 0, DGELU
     link), which the small shapes above do not reach; leading dims fold to 8194 rows.
     Float32 blocks, slower linked on the H200, are the stack of fused_dense calls there.
-    (Widths not a multiple of 8, which "auto" leaves to XLA, are let through here.)"""
-    monkeypatch.setattr(dense_module, "_AUTO_ROW_MULTIPLE", 1)
+    (Widths not a multiple of 8, which "auto" leaves to XLA in blocks too small to pad, are
+    let through here.)"""
+    monkeypatch.setattr(primitive_module, "_PAD_MIN_WORK", 0)
     activations = ("gelu", "relu", None)
     x, layers = draw(rng, (2, 4097, 6), (9, 5, 3), dtype, activations)
     dy = rng.standard_normal((2, 4097, 3)).astype(np_dtype(dtype))
@@ -320,7 +321,7 @@ def test_auto_relu_layers_feeding_a_layer_match_float64_reference_vjp(
     """The numbers of that rule on small layers (the size threshold lowered), in the stack
     of fused_dense calls and in a linked block (8194 rows)."""
     monkeypatch.setattr(mlp_module, "_auto_fuses", lambda act, dtype, m, n, k: act is not None)
-    monkeypatch.setattr(dense_module, "_AUTO_ROW_MULTIPLE", 1)  # odd widths, as every rule's
+    monkeypatch.setattr(primitive_module, "_PAD_MIN_WORK", 0)  # odd widths, as every rule's
     x, layers = draw(rng, x_shape, (9, 5, 3), dtype, activations)
     dy = rng.standard_normal((*x_shape[:-1], 3)).astype(np_dtype(dtype))
     f = jax.jit(functools.partial(fused_mlp, activations=activations))
@@ -369,21 +370,23 @@ def test_auto_runs_every_layer_of_a_mid_size_half_precision_block_as_cublaslt(
 
 
 @pytest.mark.parametrize(
-    "rows,widths,activations",
+    "rows,widths,activations,fused",
     [
-        (8192, (4100, 1024), ("gelu", None)),  # would link (DGELU)
-        (8192, (4096, 1020), ("relu", None)),  # a large ReLU layer feeding a layer
-        (8192, (4097, 1024, 1024), ("relu", "relu", None)),
-        (1024, (4092, 1024), ("relu", None)),  # a mid-size block
+        (8192, (4100, 1024), ("gelu", None), True),  # links (DGELU), every call padded
+        (8192, (4096, 1020), ("relu", None), True),  # a large ReLU layer feeding a layer
+        (8192, (4097, 1024, 1024), ("relu", "relu", None), True),
+        (8192, (4097, 100), ("gelu", None), False),  # the DGELU link 8192x4097x100 < 2**33: not padded
+        (1024, (4092, 1024), ("relu", None), False),  # a mid-size block, too small to pad
     ],
 )
-def test_auto_leaves_blocks_with_a_width_not_a_multiple_of_8_to_xla(rows, widths, activations):
-    """Each of "auto"'s cuBLASLt rules needs every width a multiple of 8: the same blocks
-    with aligned widths link, fuse or stack (the tests above); these are XLA's autodiff."""
+def test_auto_rules_need_rows_the_calls_can_pad(rows, widths, activations, fused):
+    """Each of "auto"'s cuBLASLt rules needs every layer's K and N multiples of 8, or the
+    layer large enough (M*N*K >= 2**33) for its calls to pad them; the same blocks with
+    aligned widths always link, fuse or stack (the tests above)."""
     x, layers = _sds_block(rows, widths)
     mlp = functools.partial(fused_mlp, activations=activations)
     grad = jax.grad(lambda x, layers: jnp.sum(mlp(x, layers).astype(jnp.float32)), argnums=(0, 1))
-    assert "jax_epilog_" not in _ops(grad, x, layers)
+    assert ("jax_epilog_" in _ops(grad, x, layers)) == fused
     aligned = _sds_block(rows, tuple(w + (-w) % 8 for w in widths))
     assert "jax_epilog_" in _ops(grad, *aligned)
 
@@ -395,7 +398,7 @@ def test_auto_mid_size_block_is_the_stack_of_cublaslt_calls(rng, monkeypatch, ac
     and match the float64 reference (600 rows: in the rule's range, no multiple of 16;
     small layers, with the rule's size floor lowered)."""
     monkeypatch.setattr(mlp_module, "_AUTO_STACK_MIN_MNK", 1)
-    monkeypatch.setattr(dense_module, "_AUTO_ROW_MULTIPLE", 1)
+    monkeypatch.setattr(primitive_module, "_PAD_MIN_WORK", 0)
     x_np, layers_np = draw(rng, (2, 300, 12), (21, 6, 9)[-len(activations) :], dtype, activations)
     x, layers = _as_jnp(x_np, layers_np)
     mlp_ops = _ops(functools.partial(fused_mlp, activations=activations), x, layers)

@@ -1,0 +1,135 @@
+"""Probe: does padding K and N to whole 16-byte rows make the fused kernels fast again?
+
+    python -m benchmarks.probes.row_padding [--out DIR]
+
+cuBLASLt's kernels for matrices whose rows are not 16 bytes apart (K or N not a multiple of
+8 in bf16) measured 0.08-0.87x XLA at 8192 rows (2026-12-05 (ag)). Since (ah) a fused call
+on a large enough problem pads its row widths with zeros and slices its results back
+(``_primitive._ROW_BYTES``, ``_PAD_MIN_WORK``). This times, per case (the suite's inputs and
+method: ``benchmarks.run``, interleaved):
+
+- ``padded``: ``fused_dense(implementation="cublaslt")``, padded at any size;
+- ``unpadded``: the same, never padded (``_ROW_BYTES = 1``), as before (ah);
+- ``auto``: ``fused_dense``'s default, as it lowers now;
+- ``xla``: ``jax.jit`` of ``act(x @ w + b)``;
+
+forward and forward + backward (the gradient of a sum), and for ``mlp`` rows the gradient
+of ``fused_mlp``'s two layers K -> N -> K with a GELU link (its DGELU input gradient reads
+an unaligned aux). Also prints the padded and unpadded forwards' largest difference,
+relative to the largest output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks import run
+from benchmarks.forward import write_results
+from benchmarks.timing import WallClock, measure_interleaved
+from jax_epilog import _primitive, fused_mlp
+
+CASES = [  # (M, K, N, dtype, bias dtype, activation, modes)
+    (8192, 1024, 4097, "bfloat16", "bfloat16", "relu", ("fwd", "fwd+bwd")),
+    (8192, 1024, 4097, "bfloat16", "bfloat16", "gelu", ("fwd", "fwd+bwd", "mlp")),
+    (8192, 1020, 4096, "bfloat16", "bfloat16", "relu", ("fwd", "fwd+bwd")),
+    (8192, 1020, 4096, "bfloat16", "bfloat16", "gelu", ("fwd", "fwd+bwd")),
+    (8192, 4097, 1024, "bfloat16", "bfloat16", "gelu", ("fwd",)),
+    (8192, 1024, 4104, "bfloat16", "bfloat16", "gelu", ("fwd",)),  # aligned: both lower alike
+    (4096, 1024, 1025, "bfloat16", "bfloat16", "gelu", ("fwd",)),  # M*N*K about 2**32
+    (2048, 1024, 4097, "bfloat16", "bfloat16", "relu", ("fwd",)),  # about 2**33
+    (2048, 1024, 4097, "bfloat16", "bfloat16", "gelu", ("fwd", "fwd+bwd")),
+    (1024, 1024, 4097, "bfloat16", "bfloat16", "relu", ("fwd",)),  # about 2**32
+    (1024, 1024, 4097, "bfloat16", "bfloat16", "gelu", ("fwd",)),
+    (1024, 1024, 1025, "bfloat16", "bfloat16", "gelu", ("fwd",)),  # about 2**30
+    (1000, 1000, 1003, "bfloat16", "bfloat16", "relu", ("fwd",)),
+    (1000, 1000, 1003, "bfloat16", "bfloat16", "gelu", ("fwd",)),
+    (256, 784, 100, "float16", "float32", "relu", ("fwd", "fwd+bwd")),  # the seed layer
+]
+CONTENDERS = ("padded", "unpadded", "auto", "xla")
+
+
+# What each contender changes in jax_epilog._primitive while its program lowers.
+KNOBS = {"padded": {"_PAD_MIN_WORK": 0}, "unpadded": {"_ROW_BYTES": 1}}
+
+
+@contextlib.contextmanager
+def knobs(**values):
+    saved = {name: getattr(_primitive, name) for name in values}
+    for name, value in values.items():
+        setattr(_primitive, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(_primitive, name, value)
+
+
+def program(case: run.Case, contender: str):
+    """The un-jitted function ``contender`` times on ``case``."""
+    if case.mode != "mlp":
+        name = {"padded": "jax_epilog", "unpadded": "jax_epilog", "auto": "jax_epilog_auto"}.get(contender, contender)
+        return run.jax_program(case, name)
+    impl = {"padded": "cublaslt", "unpadded": "cublaslt"}.get(contender, contender)
+
+    def loss(x, w, b):  # two layers, K -> N -> K, the second's kernel the first's transposed
+        layers = [(w, b), (w.T, None)]
+        y = fused_mlp(x, layers, [case.activation, None], implementation=impl)
+        return jnp.sum(y.astype(jnp.float32))
+
+    return jax.grad(loss, argnums=(0, 1, 2))
+
+
+def bench(case: run.Case) -> dict:
+    inputs = run.Inputs(case)
+    sets = inputs.jax()
+    compiled = {}
+    for contender in CONTENDERS:
+        with knobs(**KNOBS.get(contender, {})):
+            compiled[contender] = jax.jit(program(case, contender)).lower(*sets[0]).compile()
+    timings = measure_interleaved(
+        [(lambda i, p=p: p(*sets[i % len(sets)]), WallClock()) for p in compiled.values()], run.QUICK
+    )
+    row = {"shape": case.shape, "dtype": case.dtype, "activation": case.activation, "mode": case.mode}
+    row |= {f"{c}_us": t.us for c, t in zip(CONTENDERS, timings)}
+    if case.mode == "fwd":
+        a, b = (compiled[c](*sets[0]).astype(jnp.float32) for c in ("padded", "unpadded"))
+        row["padded_vs_unpadded"] = float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        "| M×K→N | dtype | act | mode | padded µs | unpadded µs | auto µs | XLA µs | XLA/padded | XLA/unpadded | unpadded/padded |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        t = [r[f"{c}_us"] for c in CONTENDERS]
+        ratios = (t[3] / t[0], t[3] / t[1], t[1] / t[0])
+        cells = [r["shape"], r["dtype"], r["activation"], r["mode"], *(f"{v:.1f}" for v in t)]
+        lines.append("| " + " | ".join(cells + [f"{v:.2f}×" for v in ratios]) + " |")
+    diffs = [f"{r['shape']} {r['activation']}: {r['padded_vs_unpadded']:.1e}" for r in rows if "padded_vs_unpadded" in r]
+    return "\n".join(lines) + "\n\nPadded against unpadded forward (max |diff| / max |y|): " + "; ".join(diffs) + "\n"
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    rows = []
+    for m, k, n, dtype, bias_dtype, act, modes in CASES:
+        for mode in modes:
+            row = bench(run.Case(m, k, n, dtype, bias_dtype, act, mode))
+            print(row, flush=True)
+            rows.append(row)
+    text = table(rows)
+    print(text)
+    if args.out:
+        write_results(args.out, "row_padding", rows, text)
+
+
+if __name__ == "__main__":
+    main()

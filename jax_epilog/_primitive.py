@@ -273,12 +273,16 @@ def _forward_spec(avals, *, activation, with_aux, compute_type, d_dtype, out_dty
 # results back: zero columns of x and rows of the kernel add nothing to a product, and the
 # extra columns they make are dropped. The aux needs neither: its rows are padded already
 # (to 8 elements for GELU, 128 bits for ReLU). Padding costs a copy of each padded operand
-# and result, XLA ops beside the call: 3-17x faster at 8192 rows, 9-20 µs slower at
-# 1000x1000->1003 and 256x784->100 (H100, 2026-12-05 (ah), benchmarks/probes/row_padding.py),
-# so only problems of at least _PAD_MIN_WORK = M*N*K (times the members) pad. _ROW_BYTES
-# = 1 turns the padding off (for probes).
+# and result (XLA ops beside the call). On an H100 (2026-12-05 (ah),
+# benchmarks/probes/row_padding.py) the padded call ran 2.1-18x faster than the unpadded
+# one from 1024 rows and M*N*K = 2**32 up (1.2-2.4x XLA's jit), and 0.80-1.06x at M*N*K
+# of 2**30 and less (1000x1000->1003, 256x784->100), where both lost to XLA or tied. So
+# calls with at least _PAD_MIN_ROWS rows and M*N*K (times the members) of _PAD_MIN_WORK
+# pad; fewer rows read the kernel, which padding copies, for little arithmetic.
+# _ROW_BYTES = 1 turns the padding off (for probes).
 _ROW_BYTES = 16
-_PAD_MIN_WORK = 2**33
+_PAD_MIN_ROWS = 1024
+_PAD_MIN_WORK = 2**32
 
 
 def _row_width(width: int, dtype) -> int:
@@ -291,16 +295,21 @@ def _row_width(width: int, dtype) -> int:
 def _padded_rows(spec: EpilogSpec) -> EpilogSpec:
     """``spec`` with its row widths (N and K) padded for cuBLASLt's fast kernels, where the
     problem is large enough to gain."""
-    if spec.m * spec.n * spec.k * spec.members < _PAD_MIN_WORK:
+    if not _pads(spec.m, spec.n, spec.k, spec.members):
         return spec
     return spec._replace(n=_row_width(spec.n, spec.ab_dtype), k=_row_width(spec.k, spec.ab_dtype))
+
+
+def _pads(m: int, n: int, k: int, members: int = 1) -> bool:
+    """Whether a fused call on this problem is large enough to pad its rows."""
+    return m >= _PAD_MIN_ROWS and m * n * k * members >= _PAD_MIN_WORK
 
 
 def fast_rows(m: int, n: int, k: int, dtype) -> bool:
     """Whether a fused call on ``dtype``'s (m, k) x and (k, n) kernel gets rows 16 bytes
     apart: K and N are whole rows already, or the problem is large enough to be padded."""
     aligned = _row_width(n, dtype) == n and _row_width(k, dtype) == k
-    return aligned or m * n * k >= _PAD_MIN_WORK
+    return aligned or _pads(m, n, k)
 
 
 def _pad_to(value, *sizes):

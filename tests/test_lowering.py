@@ -431,6 +431,7 @@ def test_fused_calls_pad_row_widths_and_slice_their_results(rng, monkeypatch, cu
     reference math here, on the CPU, and checks its operands' shapes."""
     seen: list = []
     monkeypatch.setattr(_primitive._ffi, "call", functools.partial(_reference_call, seen))
+    monkeypatch.setattr(_primitive, "_PAD_MIN_ROWS", 0)
     monkeypatch.setattr(_primitive, "_PAD_MIN_WORK", 0)
     multiple = 16 // np.dtype(jnp.dtype(dtype)).itemsize
     x = jnp.asarray(rng.standard_normal((3, 11, 29)), dtype)
@@ -471,18 +472,19 @@ def test_fused_calls_pad_row_widths_and_slice_their_results(rng, monkeypatch, cu
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_only_large_problems_pad_their_rows(cublaslt_accepts, dtype):
-    """At 8192 rows (M*N*K >= 2**33) K = 1020 and N = 4097 go to the call padded to 16-byte
-    rows (1024 and 4104 in bfloat16; 1020 and 4100 in float32), the layer's result cut
-    back; at 2048 rows (M*N*K < 2**33) they stay as they are."""
-    pad = {"bfloat16": (1024, 4104), "float32": (1020, 4100)}[dtype]
-    for m, (k, n) in ((8192, pad), (2048, (1020, 4097))):
-        args = [jax.ShapeDtypeStruct(s, dtype) for s in ((m, 1020), (1020, 4097), (4097,))]
-        text = _cuda_text(functools.partial(op, activation="gelu"), *args)
-        (call,) = _calls(text)
-        assert f"m = {m}" in call and f"n = {n}" in call and f"k = {k}" in call, call
-        assert call.endswith(f"-> tensor<{m}x{n}x{_MLIR_TYPE[dtype]}>")
-        assert f"-> tensor<{m}x4097x{_MLIR_TYPE[dtype]}>" in text  # the user's y
+@pytest.mark.parametrize("m,pads", [(8192, True), (1024, False), (512, False)])
+def test_only_large_problems_pad_their_rows(cublaslt_accepts, dtype, m, pads):
+    """K = 1020 and N = 4097 go to the call padded to 16-byte rows (1024 and 4104 in
+    bfloat16; 1020 and 4100 in float32), the layer's result cut back, at 8192 rows; not at
+    1024 (M*N*K just under 2**32) nor at 512 (fewer than 1024 rows; N = 16385, larger)."""
+    n = 4097 if m != 512 else 16385
+    k, n_call = {"bfloat16": (1024, n + 7), "float32": (1020, n + 3)}[dtype] if pads else (1020, n)
+    args = [jax.ShapeDtypeStruct(s, dtype) for s in ((m, 1020), (1020, n), (n,))]
+    text = _cuda_text(functools.partial(op, activation="gelu"), *args)
+    (call,) = _calls(text)
+    assert f"m = {m}" in call and f"n = {n_call}" in call and f"k = {k}" in call, call
+    assert call.endswith(f"-> tensor<{m}x{n_call}x{_MLIR_TYPE[dtype]}>")
+    assert f"-> tensor<{m}x{n}x{_MLIR_TYPE[dtype]}>" in text  # the user's y
 
 
 _MLIR_TYPE = {"bfloat16": "bf16", "float32": "f32"}

@@ -251,6 +251,7 @@ def test_auto_link_on_many_rows_matches_float64_reference_vjp(rng, monkeypatch, 
     Float32 blocks, slower linked on the H200, are the stack of fused_dense calls there.
     (Widths not a multiple of 8, which "auto" leaves to XLA in blocks too small to pad, are
     let through here.)"""
+    monkeypatch.setattr(primitive_module, "_PAD_MIN_ROWS", 0)
     monkeypatch.setattr(primitive_module, "_PAD_MIN_WORK", 0)
     activations = ("gelu", "relu", None)
     x, layers = draw(rng, (2, 4097, 6), (9, 5, 3), dtype, activations)
@@ -321,7 +322,8 @@ def test_auto_relu_layers_feeding_a_layer_match_float64_reference_vjp(
     """The numbers of that rule on small layers (the size threshold lowered), in the stack
     of fused_dense calls and in a linked block (8194 rows)."""
     monkeypatch.setattr(mlp_module, "_auto_fuses", lambda act, dtype, m, n, k: act is not None)
-    monkeypatch.setattr(primitive_module, "_PAD_MIN_WORK", 0)  # odd widths, as every rule's
+    monkeypatch.setattr(primitive_module, "_PAD_MIN_ROWS", 0)  # odd widths, as every rule's
+    monkeypatch.setattr(primitive_module, "_PAD_MIN_WORK", 0)
     x, layers = draw(rng, x_shape, (9, 5, 3), dtype, activations)
     dy = rng.standard_normal((*x_shape[:-1], 3)).astype(np_dtype(dtype))
     f = jax.jit(functools.partial(fused_mlp, activations=activations))
@@ -375,14 +377,14 @@ def test_auto_runs_every_layer_of_a_mid_size_half_precision_block_as_cublaslt(
         (8192, (4100, 1024), ("gelu", None), True),  # links (DGELU), every call padded
         (8192, (4096, 1020), ("relu", None), True),  # a large ReLU layer feeding a layer
         (8192, (4097, 1024, 1024), ("relu", "relu", None), True),
-        (8192, (4097, 100), ("gelu", None), False),  # the DGELU link 8192x4097x100 < 2**33: not padded
+        (8192, (4097, 100), ("gelu", None), False),  # the DGELU link 8192x4097x100 < 2**32: not padded
         (1024, (4092, 1024), ("relu", None), False),  # a mid-size block, too small to pad
     ],
 )
 def test_auto_rules_need_rows_the_calls_can_pad(rows, widths, activations, fused):
     """Each of "auto"'s cuBLASLt rules needs every layer's K and N multiples of 8, or the
-    layer large enough (M*N*K >= 2**33) for its calls to pad them; the same blocks with
-    aligned widths always link, fuse or stack (the tests above)."""
+    layer large enough (1024 rows, M*N*K >= 2**32) for its calls to pad them; the same
+    blocks with aligned widths always link, fuse or stack (the tests above)."""
     x, layers = _sds_block(rows, widths)
     mlp = functools.partial(fused_mlp, activations=activations)
     grad = jax.grad(lambda x, layers: jnp.sum(mlp(x, layers).astype(jnp.float32)), argnums=(0, 1))
@@ -398,6 +400,7 @@ def test_auto_mid_size_block_is_the_stack_of_cublaslt_calls(rng, monkeypatch, ac
     and match the float64 reference (600 rows: in the rule's range, no multiple of 16;
     small layers, with the rule's size floor lowered)."""
     monkeypatch.setattr(mlp_module, "_AUTO_STACK_MIN_MNK", 1)
+    monkeypatch.setattr(primitive_module, "_PAD_MIN_ROWS", 0)
     monkeypatch.setattr(primitive_module, "_PAD_MIN_WORK", 0)
     x_np, layers_np = draw(rng, (2, 300, 12), (21, 6, 9)[-len(activations) :], dtype, activations)
     x, layers = _as_jnp(x_np, layers_np)

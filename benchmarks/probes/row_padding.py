@@ -5,8 +5,8 @@
 cuBLASLt's kernels for matrices whose rows are not 16 bytes apart (K or N not a multiple of
 8 in bf16) measured 0.08-0.87x XLA at 8192 rows (2026-12-05 (ag)). Since (ah) a fused call
 on a large enough problem pads its row widths with zeros and slices its results back
-(``_primitive._ROW_BYTES``, ``_PAD_MIN_WORK``). This times, per case (the suite's inputs and
-method: ``benchmarks.run``, interleaved):
+(``_primitive._ROW_BYTES``, ``_PAD_MIN_ROWS``, ``_PAD_MIN_WORK``). This times, per case
+(the suite's inputs and method: ``benchmarks.run``, interleaved):
 
 - ``padded``: ``fused_dense(implementation="cublaslt")``, padded at any size;
 - ``unpadded``: the same, never padded (``_ROW_BYTES = 1``), as before (ah);
@@ -53,7 +53,7 @@ CONTENDERS = ("padded", "unpadded", "auto", "xla")
 
 
 # What each contender changes in jax_epilog._primitive while its program lowers.
-KNOBS = {"padded": {"_PAD_MIN_WORK": 0}, "unpadded": {"_ROW_BYTES": 1}}
+KNOBS = {"padded": {"_PAD_MIN_ROWS": 0, "_PAD_MIN_WORK": 0}, "unpadded": {"_ROW_BYTES": 1}}
 
 
 @contextlib.contextmanager

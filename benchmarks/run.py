@@ -102,7 +102,7 @@ def plan(full: bool) -> list[Case]:
         add(m, 4096, 16384, "bfloat16", acts=ALL_ACTS if full else RELU_GELU)
     add(1000, 1000, 1003, "bfloat16", acts=ALL_ACTS if full else RELU_GELU, backward=full)
     # A large layer whose rows (N) are not 16-byte aligned: cuBLASLt's kernels for it are
-    # far slower, and "auto" leaves it to XLA (2026-12-05 (ag)).
+    # far slower (2026-12-05 (ag)), so the op pads them ((ah)).
     add(8192, 1024, 4097, "bfloat16", acts=RELU_GELU, backward=full)
     if full:
         for compute_type in (None, TF32):

@@ -153,15 +153,16 @@ def fused_dense(
         COMPUTE_32F_FAST_TF32, COMPUTE_64F, or a ``_PEDANTIC`` form of the first or last).
         ``"auto"``: whichever measured faster on the H200 (benchmarks/README.md):
         cuBLASLt for the forward of large bfloat16 and float16 GELU and ReLU layers
-        (M >= 1024 rows and M*N*K >= 2**33, K and N multiples of 8) and for anything the
-        XLA expression cannot reproduce (``return_aux=True``, 16-bit compute types); XLA's
-        own expression and autodiff otherwise (no activation, small layers, float32, K or
-        N not a multiple of 8: cuBLASLt's kernels for such rows measured up to 12x slower
-        than XLA on an H100, which ``"cublaslt"`` still runs), and always for the
+        (M >= 1024 rows and M*N*K >= 2**33) and for anything the XLA expression cannot
+        reproduce (``return_aux=True``, 16-bit compute types); XLA's own expression and
+        autodiff otherwise (no activation, small layers, float32), and always for the
         backward pass, where XLA's own autodiff measured at least as fast as the backward
-        below. On a CPU
-        everything runs XLA (``"cublaslt"``: the reference math below, with the GPU
-        kernel's aux layout).
+        below. On a CPU everything runs XLA (``"cublaslt"``: the reference math below,
+        with the GPU kernel's aux layout).
+        Where K or N is not a multiple of 8 elements (of 4 in float32), on 1024 rows or
+        more with M*N*K >= 2**32, the GPU call pads them with zeros to whole 16-byte rows
+        and cuts its results back: cuBLASLt's kernels for other rows measured up to 18x
+        slower (H100, benchmarks/README.md). The values are the same sums.
 
     Returns:
       ``y`` of shape (..., N) in ``x``'s dtype, or ``(y, aux)`` with ``return_aux=True``.

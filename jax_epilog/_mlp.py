@@ -100,16 +100,17 @@ def fused_mlp(
     the layers run together in one program (the third):
 
     - A GELU layer feeding another layer, with ``"cublaslt"``, or with ``"auto"`` on 8192
-      rows or more in bfloat16 or float16, every width a multiple of 8 (where it measured
-      faster than XLA; fewer rows measured 0.90-0.96x; linked float32 blocks 0.87-1.00x,
-      2026-12-04 (y)):
+      rows or more in bfloat16 or float16, every layer's rows aligned or padded (where it
+      measured faster than XLA; fewer rows measured 0.90-0.96x; linked float32 blocks
+      0.87-1.00x, 2026-12-04 (y)). "Aligned or padded": K and N multiples of 8, or a layer
+      large enough for its calls to pad them (``fused_dense``'s docstring):
       the backward forms the GELU layer's ``dz`` in the next layer's input-gradient GEMM,
       with cuBLASLt's DGELU epilog on a GPU (the reference math of that GEMM elsewhere).
       The product then meets ``gelu'(z)`` in float32 before rounding once, where
       separate calls round it to x's dtype first.
     - A ReLU layer feeding another layer, with ``"auto"``, on a layer large enough for
       ``fused_dense``'s "auto" forward to fuse it (bfloat16 or float16, M >= 1024 rows,
-      M*N*K >= 2**33, K and N multiples of 8):
+      M*N*K >= 2**33):
       it runs as ``"cublaslt"`` does, the fused kernel keeping its bit-mask for the
       backward (XLA's GEMMs and reduction from it). In a ReLU block's fwd+bwd that
       measured 1.04-1.06x XLA's autodiff at 8192x1024->4096->1024 and 1.00-1.02x at
@@ -117,8 +118,8 @@ def fused_mlp(
       2026-12-04 (v)); a lone ``fused_dense`` whose output a loss reads keeps XLA's
       autodiff, where the same backward measured 0.92-1.02x.
     - A block of two or more bfloat16 or float16 layers on 512 to 1536 rows, one of them
-      with M*N*K >= 2**31 and every width a multiple of 8, with ``"auto"``: every layer
-      runs as ``"cublaslt"`` (forward and backward), where XLA's forward measured the
+      with M*N*K >= 2**31 and every layer's rows aligned or padded, with ``"auto"``: every
+      layer runs as ``"cublaslt"`` (forward and backward), where XLA's forward measured the
       slower (its Triton GEMMs, a separate GELU pass): the block's fwd+bwd read
       1.05-1.20x XLA's (ReLU) and 1.00-1.17x (GELU) at 512-1536 rows and D = 768, 1024
       (0.98-1.08x at D = 2048; H200; benchmarks/README.md, 2026-12-04 (w) and (x)).
@@ -135,9 +136,9 @@ def fused_mlp(
     implementation (XLA's GEMM and reduction for ``"auto"``).
 
     Without a link (no GELU layer before the last one, ``"xla"``, float64, or ``"auto"``
-    on fewer rows, in float32 or with a width not a multiple of 8) ``fused_mlp`` is the
-    stack of ``fused_dense`` calls, each with ``implementation``, except the ReLU layers of the second case and the blocks of the
-    third, which run as ``"cublaslt"``. Forward mode then works where each call's
+    on fewer rows, in float32 or with rows neither aligned nor padded) ``fused_mlp`` is
+    the stack of ``fused_dense`` calls, each with ``implementation``, except the ReLU
+    layers of the second case and the blocks of the third, which run as ``"cublaslt"``. Forward mode then works where each call's
     implementation allows it (``"auto"``, ``"xla"``; not ``"cublaslt"``). With a link it
     is a ``jax.custom_vjp``: forward mode raises, but its gradient differentiates again in
     either mode (``jax.grad`` of a gradient, ``jax.hessian``).

@@ -1,6 +1,6 @@
 """Probe: does padding K and N to whole 16-byte rows make the fused kernels fast again?
 
-    python -m benchmarks.probes.row_padding [--out DIR]
+    python -m benchmarks.probes.row_padding [--out DIR] [--modes fwd fwd+bwd mlp]
 
 cuBLASLt's kernels for matrices whose rows are not 16 bytes apart (K or N not a multiple of
 8 in bf16) measured 0.08-0.87x XLA at 8192 rows (2026-12-05 (ag)). Since (ah) a fused call
@@ -118,10 +118,13 @@ def table(rows: list[dict]) -> str:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None)
+    parser.add_argument("--modes", nargs="+", default=None, help="only these modes (fwd, fwd+bwd, mlp)")
     args = parser.parse_args(argv)
     rows = []
     for m, k, n, dtype, bias_dtype, act, modes in CASES:
         for mode in modes:
+            if args.modes and mode not in args.modes:
+                continue
             row = bench(run.Case(m, k, n, dtype, bias_dtype, act, mode))
             print(row, flush=True)
             rows.append(row)

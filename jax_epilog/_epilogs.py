@@ -133,7 +133,9 @@ def aux_dtype(activation: Activation, epilog_dtype: np.dtype) -> np.dtype:
 class EpilogSpec(NamedTuple):
     """Everything that fixes one cuBLASLt problem, in the GPU's column-major terms.
 
-    ``m``, ``n``, ``k`` are the layer's sizes: x is (m, k), kernel (k, n). Two problems:
+    ``m``, ``n``, ``k`` are the GEMM's sizes: the layer's, x (m, k) and kernel (k, n),
+    with N and K padded to whole 16-byte rows where the call pads its operands
+    (``_primitive._padded_rows``). Three problems:
 
     * ``"forward"``: D[n, m] = act(A[n, k] @ B[k, m] + bias[n]) with A = kernel (row-major
       (k, n)) and B = x (row-major (m, k)): no transposes, and the bias runs along D's rows.

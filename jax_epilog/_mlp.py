@@ -138,8 +138,9 @@ def fused_mlp(
     Without a link (no GELU layer before the last one, ``"xla"``, float64, or ``"auto"``
     on fewer rows, in float32 or with rows neither aligned nor padded) ``fused_mlp`` is
     the stack of ``fused_dense`` calls, each with ``implementation``, except the ReLU
-    layers of the second case and the blocks of the third, which run as ``"cublaslt"``. Forward mode then works where each call's
-    implementation allows it (``"auto"``, ``"xla"``; not ``"cublaslt"``). With a link it
+    layers of the second case and the blocks of the third, which run as ``"cublaslt"``.
+    Forward mode then works where each call's implementation allows it (``"auto"``,
+    ``"xla"``; not ``"cublaslt"``). With a link it
     is a ``jax.custom_vjp``: forward mode raises, but its gradient differentiates again in
     either mode (``jax.grad`` of a gradient, ``jax.hessian``).
     Raises TypeError/ValueError at trace time, naming the layer, for anything

@@ -270,9 +270,7 @@ def _layer_forward(h, kernel, bias, layer: _Layer):
     y = _reference.activate(z, act).astype(h.dtype)
     if act is not Activation.GELU:
         return y, None  # ReLU's derivative is read from y > 0
-    n = kernel.shape[1]
-    aux = z.astype(layer.d_dtype)
-    return y, jnp.pad(aux, [(0, 0)] * (aux.ndim - 1) + [(0, aux_padded_width(act, n) - n)])
+    return y, _reference.pad_to(z.astype(layer.d_dtype), aux_padded_width(act, kernel.shape[1]))
 
 
 def _mlp_fwd(x, kernels, biases, config: _Config):

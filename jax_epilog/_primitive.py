@@ -43,6 +43,7 @@ from ._epilogs import (
     epilog_name,
     known_sizes,
 )
+from ._reference import pad_to
 from ._sharding import (
     Layout,
     partitioned_lowering,
@@ -250,7 +251,8 @@ def _results(avals) -> list[jax.ShapeDtypeStruct]:
 
 def _forward_spec(avals, *, activation, with_aux, compute_type, d_dtype, out_dtype) -> EpilogSpec | None:
     """The cuBLASLt problem of a fused_matmul_p call on ``avals`` (x, kernel[, bias]), or
-    None where XLA computes it (see _lower_fused_or_reference)."""
+    None where XLA computes it (see _lower_fused_or_reference); unpadded: its callers pad
+    it (``_padded_rows``) once they know its members."""
     del out_dtype
     if _symbolic(*avals):
         return None
@@ -263,7 +265,7 @@ def _forward_spec(avals, *, activation, with_aux, compute_type, d_dtype, out_dty
     if np.dtype(x_aval.dtype) == np.float64 or empty or one_row_f32_d:
         return None
     b_aval = avals[2] if len(avals) > 2 else None
-    return _padded_rows(spec_of(x_aval, k_aval, b_aval, activation, with_aux, compute_type, d_dtype))
+    return spec_of(x_aval, k_aval, b_aval, activation, with_aux, compute_type, d_dtype)
 
 
 # cuBLASLt's fast kernels need every matrix's rows 16 bytes apart: a row width (K or N,
@@ -312,15 +314,8 @@ def fast_rows(m: int, n: int, k: int, dtype) -> bool:
     return aligned or _pads(m, n, k)
 
 
-def _pad_to(value, *sizes):
-    """``value`` with zeros appended to its last ``len(sizes)`` dimensions up to ``sizes``."""
-    lead = value.ndim - len(sizes)
-    widths = [(0, 0)] * lead + [(0, want - have) for have, want in zip(value.shape[lead:], sizes, strict=True)]
-    return jnp.pad(value, widths) if any(w for _, w in widths) else value
-
-
 def _cut_to(value, *sizes):
-    """``value``'s leading block of ``sizes`` in its last dimensions (undoes ``_pad_to``)."""
+    """``value``'s leading block of ``sizes`` in its last dimensions (undoes ``pad_to``)."""
     lead = value.ndim - len(sizes)
     if value.shape[lead:] == tuple(sizes):
         return value
@@ -329,7 +324,7 @@ def _cut_to(value, *sizes):
 
 def _padded_forward_operands(spec: EpilogSpec, x, kernel, *bias):
     """A forward's operands (members leading where they have them), padded to ``spec``."""
-    return (_pad_to(x, spec.k), _pad_to(kernel, spec.k, spec.n), *(_pad_to(b, spec.n) for b in bias))
+    return (pad_to(x, spec.k), pad_to(kernel, spec.k, spec.n), *(pad_to(b, spec.n) for b in bias))
 
 
 def _with_rows_folded(lowering, layout_of):
@@ -370,6 +365,8 @@ def _with_rows_folded(lowering, layout_of):
 
 def _cuda_lowering(ctx, x, kernel, *bias, **params):
     spec = _forward_spec(ctx.avals_in, **params)
+    if spec is not None:
+        spec = _padded_rows(spec)
 
     def fused(x, kernel, *bias):
         # D (padded rows) in the epilog's dtype, then the aux as the primitive returns it.
@@ -469,7 +466,7 @@ def _wgrad_cuda_lowering(ctx, x, dz, *, compute_type, d_dtype):
 
     def fused(x, dz):
         results = [jax.ShapeDtypeStruct((spec.k, spec.n), d_dtype), jax.ShapeDtypeStruct((spec.n,), d_dtype)]
-        dkernel, dbias = _ffi.call((_pad_to(x, spec.k), _pad_to(dz, spec.n)), results, spec)
+        dkernel, dbias = _ffi.call((pad_to(x, spec.k), pad_to(dz, spec.n)), results, spec)
         return [_cut_to(dkernel, k, n), _cut_to(dbias, n)]
 
     return _lower_fused_or_reference(ctx, (x, dz), spec, _wgrad_reference_lowering, params, fused)
@@ -565,7 +562,7 @@ def _igrad_cuda_lowering(ctx, dz, kernel, aux, *, compute_type):
     def fused(dz, kernel, aux):
         # (the aux's rows, round_up(k, 8) wide, are padded already)
         results = [jax.ShapeDtypeStruct((spec.m, spec.k), aux.dtype)]
-        (d,) = _ffi.call((_pad_to(dz, spec.n), _pad_to(kernel, spec.k, spec.n), aux), results, spec)
+        (d,) = _ffi.call((pad_to(dz, spec.n), pad_to(kernel, spec.k, spec.n), aux), results, spec)
         return [_cut_to(d, k)]
 
     return _lower_fused_or_reference(ctx, (dz, kernel, aux), spec, _igrad_reference_lowering, params, fused)

@@ -24,6 +24,7 @@ __all__ = [
     "input_grad",
     "output_grad",
     "pack_relu_mask",
+    "pad_to",
     "plain",
     "plain_preactivation",
     "unpack_relu_mask",
@@ -39,12 +40,17 @@ def activate(z: jax.Array, activation: Activation | None) -> jax.Array:
     return jax.nn.gelu(z, approximate=True)
 
 
+def pad_to(value: jax.Array, *sizes: int) -> jax.Array:
+    """``value`` with zeros appended to its last ``len(sizes)`` dimensions up to ``sizes``."""
+    lead = value.ndim - len(sizes)
+    widths = [(0, 0)] * lead + [(0, want - have) for have, want in zip(value.shape[lead:], sizes, strict=True)]
+    return jnp.pad(value, widths) if any(w for _, w in widths) else value
+
+
 def pack_relu_mask(z: jax.Array) -> jax.Array:
     """(..., n) pre-activation -> (..., round_up(n, 128) // 8) uint8, bit j%8 of byte j//8."""
-    n = z.shape[-1]
-    width = aux_padded_width(Activation.RELU, n)
-    bits = jnp.pad(z > 0, [(0, 0)] * (z.ndim - 1) + [(0, width * 8 - n)])
-    return jnp.packbits(bits, axis=-1, bitorder="little")
+    width = aux_padded_width(Activation.RELU, z.shape[-1])
+    return jnp.packbits(pad_to(z > 0, width * 8), axis=-1, bitorder="little")
 
 
 def unpack_relu_mask(mask: jax.Array, n: int) -> jax.Array:
@@ -200,9 +206,7 @@ def dense(
         if activation is Activation.RELU:
             aux = pack_relu_mask(z)
         else:
-            width = aux_padded_width(activation, n)
-            zd = z.astype(aux_dtype(activation, d_dtype))
-            aux = jnp.pad(zd, [(0, 0)] * (z.ndim - 1) + [(0, width - n)])
+            aux = pad_to(z.astype(aux_dtype(activation, d_dtype)), aux_padded_width(activation, n))
     return d, aux
 
 

@@ -21,7 +21,7 @@ from ._epilogs import (
     known_sizes,
     valid_compute_types,
 )
-from ._primitive import fast_rows, fused_matmul, fused_weight_grad
+from ._primitive import fast_rows, fused_matmul, fused_weight_grad, padded_layer
 from ._sharding import like
 
 __all__ = ["fused_dense"]
@@ -162,7 +162,9 @@ def fused_dense(
         Where K or N is not a multiple of 8 elements (of 4 in float32), on 1024 rows or
         more with M*N*K >= 2**32, the GPU call pads them with zeros to whole 16-byte rows
         and cuts its results back: cuBLASLt's kernels for other rows measured up to 18x
-        slower (H100, benchmarks/README.md). The values are the same sums.
+        slower (H100, benchmarks/README.md). The values are the same sums. Under
+        ``jax.grad`` "auto" then runs XLA's expression on the same padded operands, whose
+        GEMMs are as slow on unaligned rows.
 
     Returns:
       ``y`` of shape (..., N) in ``x``'s dtype, or ``(y, aux)`` with ``return_aux=True``.
@@ -319,16 +321,30 @@ def _fused_forward_xla_derivatives(x, kernel, bias, config: _Config):
 def _fxd_jvp(config: _Config, primals, tangents):
     # Only the differentiated arguments enter the expression's jvp, so an argument held
     # constant adds no product with a zero tangent, and reverse mode lowers to the very
-    # program of the user's expression under jax.grad (tests/test_implementation.py).
+    # program of the user's expression under jax.grad (tests/test_implementation.py), or,
+    # where K or N is unaligned, of that expression on padded rows.
     live = [i for i, t in enumerate(tangents) if not isinstance(t, SymbolicZero)]
 
     def plain(*active):
         args = list(primals)
         for i, a in zip(live, active):
             args[i] = a
-        return _plain(*args, config)
+        return _plain_on_padded_rows(*args, config)
 
     return jax.jvp(plain, [primals[i] for i in live], [tangents[i] for i in live])
+
+
+def _plain_on_padded_rows(x, kernel, bias, config: _Config):
+    """``_plain`` on the operands padded as the fused call pads them (K or N unaligned on
+    a large layer), the result cut back to N columns: the same sums, while XLA's program
+    and its autodiff run their GEMMs on aligned rows, as fast as on the next aligned
+    shape. XLA's kernels for unaligned rows are slow too: 245-311 µs at 8192x1024->4097
+    and 8192x1020->4096 against 107-170 at 8192x1024->4096 (H100, 2026-12-05 (ah))."""
+    n = kernel.shape[1]
+    padded = padded_layer(x, kernel, bias)
+    if padded[1] is kernel:
+        return _plain(x, kernel, bias, config)
+    return _plain(*padded, config)[..., :n]
 
 
 _fused_forward_xla_derivatives.defjvp(_fxd_jvp, symbolic_zeros=True)

@@ -60,6 +60,7 @@ __all__ = [
     "fused_gelu_input_grad",
     "fused_matmul",
     "fused_weight_grad",
+    "padded_layer",
 ]
 
 
@@ -312,6 +313,16 @@ def fast_rows(m: int, n: int, k: int, dtype) -> bool:
     apart: K and N are whole rows already, or the problem is large enough to be padded."""
     aligned = _row_width(n, dtype) == n and _row_width(k, dtype) == k
     return aligned or _pads(m, n, k)
+
+
+def padded_layer(x, kernel, bias):
+    """(x, kernel, bias) padded with zeros to whole 16-byte rows where a fused call on them
+    would pad (``_padded_rows``: large problems, K or N unaligned), else as given."""
+    (k, n), m = kernel.shape, math.prod(x.shape[:-1])
+    if not known_sizes(m, n, k) or not _pads(m, n, k):
+        return x, kernel, bias
+    k_rows, n_rows = _row_width(k, x.dtype), _row_width(n, x.dtype)
+    return pad_to(x, k_rows), pad_to(kernel, k_rows, n_rows), None if bias is None else pad_to(bias, n_rows)
 
 
 def _cut_to(value, *sizes):

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_epilog import _dense, fused_dense
+from jax_epilog import _dense, _primitive, fused_dense
 
 FUSED = "jax_epilog_fused_matmul"
 
@@ -137,6 +137,22 @@ def test_auto_fuses_large_layers_whatever_their_row_widths(m, k, n, fused, activ
     assert FUSED in _jaxpr(functools.partial(f, implementation="cublaslt"), *args)
 
 
+@pytest.mark.parametrize("shape,padded", [((8192, 1020, 4097), (1024, 4104)), ((1024, 1020, 4097), None)])
+def test_auto_gradient_of_an_unaligned_large_layer_runs_on_padded_rows(shape, padded):
+    """Under jax.grad, "auto"'s large unaligned layer is XLA's program on the operands
+    padded as the fused call pads them (8192x1020->4097 as 8192x1024->4104), where XLA's
+    GEMMs run on aligned rows; a layer too small to pad keeps the user's shapes."""
+    m, k, n = shape
+    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((m, k), (k, n), (n,))]
+    loss = lambda x, w, b: jnp.sum(fused_dense(x, w, b, activation="gelu").astype(jnp.float32))
+    text = _jaxpr(jax.grad(loss, argnums=(0, 1, 2)), *args)
+    assert FUSED not in text
+    if padded:
+        assert f"bf16[{m},{padded[0]}]" in text and f"bf16[{padded[0]},{padded[1]}]" in text
+    else:
+        assert "pad" not in text
+
+
 @pytest.mark.parametrize("activation", ["relu", "gelu"])
 @pytest.mark.parametrize("argnums", [(0, 1, 2), (1, 2), (0,), (1,)])
 def test_auto_gradient_of_a_fused_layer_is_the_users_program(activation, argnums):
@@ -151,14 +167,22 @@ def test_auto_gradient_of_a_fused_layer_is_the_users_program(activation, argnums
     assert text[0] == text[1]
 
 
+@pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("activation", ["relu", "gelu"])
-def test_auto_fused_forward_with_xla_derivatives(rng, activation, monkeypatch):
+def test_auto_fused_forward_with_xla_derivatives(rng, activation, monkeypatch, padded):
     """The large-layer "auto" path on a small problem: the op's value, the plain gradients,
-    and forward mode (jvp, jacfwd, hessian) as the plain expression has it."""
+    and forward mode (jvp, jacfwd, hessian) as the plain expression has it; ``padded``:
+    with the size floor of padding lowered, so that the derivatives' expression runs on
+    rows padded from K = 17, N = 9 to 20 and 12 (float32), with the same values."""
     monkeypatch.setattr(_dense, "_auto_fuses", lambda activation, dtype, m, n, k: True)
+    if padded:
+        monkeypatch.setattr(_primitive, "_PAD_MIN_ROWS", 0)
+        monkeypatch.setattr(_primitive, "_PAD_MIN_WORK", 0)
     x, w, b = _inputs(rng, 33, 17, 9)
     f = functools.partial(fused_dense, activation=activation)
     assert FUSED in _jaxpr(f, x, w, b)
+    grad_jaxpr = _jaxpr(jax.grad(lambda *a: jnp.sum(f(*a) ** 2), argnums=(0, 1, 2)), x, w, b)
+    assert ("f32[20,12]" in grad_jaxpr) == padded and ("f32[17,9]" in grad_jaxpr)
     op = fused_dense(x, w, b, activation=activation, implementation="cublaslt")
     np.testing.assert_array_equal(np.asarray(f(x, w, b)), np.asarray(op))
     grads = jax.grad(lambda *a: jnp.sum(f(*a) ** 2), argnums=(0, 1, 2))(x, w, b)
@@ -175,7 +199,7 @@ def test_auto_fused_forward_with_xla_derivatives(rng, activation, monkeypatch):
     plain = functools.partial(_plain, activation=activation)
     tangents = tuple(jnp.asarray(rng.standard_normal(a.shape), a.dtype) for a in (x, w, b))
     (y, dy), (y_ref, dy_ref) = (jax.jvp(g, (x, w, b), tangents) for g in (f, plain))
-    np.testing.assert_array_equal(np.asarray(y), np.asarray(y_ref))
+    np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), rtol=0 if not padded else 1e-6, atol=0 if not padded else 1e-6)
     np.testing.assert_allclose(np.asarray(dy), np.asarray(dy_ref), rtol=1e-6, atol=1e-6)
     for got, want in zip(jax.jacfwd(f, argnums=(1, 2))(x, w, b), jax.jacfwd(plain, argnums=(1, 2))(x, w, b)):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)

@@ -311,8 +311,12 @@ def _pads(m: int, n: int, k: int, members: int = 1) -> bool:
 def fast_rows(m: int, n: int, k: int, dtype) -> bool:
     """Whether a fused call on ``dtype``'s (m, k) x and (k, n) kernel gets rows 16 bytes
     apart: K and N are whole rows already, or the problem is large enough to be padded."""
-    aligned = _row_width(n, dtype) == n and _row_width(k, dtype) == k
-    return aligned or _pads(m, n, k)
+    return aligned_rows(n, k, dtype) or _pads(m, n, k)
+
+
+def aligned_rows(n: int, k: int, dtype) -> bool:
+    """Whether ``dtype``'s (m, k) x and (k, n) kernel have rows 16 bytes apart as they are."""
+    return _row_width(n, dtype) == n and _row_width(k, dtype) == k
 
 
 def padded_layer(x, kernel, bias):

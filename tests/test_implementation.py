@@ -125,19 +125,30 @@ def test_auto_fuses_large_forward_passes_only(activation):
         (8192, 1020, 4096, True),
         (8192, 1023, 4097, True),
         (1023, 1024, 8200, False),  # fewer than 1024 rows
-        (8192, 1020, 1020, False),  # M*N*K < 2**33 (aligned or not)
+        (1024, 1024, 4096, False),  # M*N*K = 2**32 < 2**33, aligned
+        # Below 2**33 "auto" fuses the layers the call pads (_auto_pads): 1.22-1.58x XLA (H100)
+        (1024, 1024, 4097, True),
+        (4096, 1024, 1025, True),
+        (8192, 1020, 1020, True),
+        (2048, 1020, 4100, True),
+        (1023, 1024, 4097, False),  # fewer than 1024 rows: not padded
+        (1024, 1024, 1025, False),  # M*N*K < 2**32: not padded
     ],
 )
 def test_auto_fuses_large_layers_whatever_their_row_widths(m, k, n, fused, activation, dtype):
     """K and N need not be multiples of 8 for "auto" to fuse a large layer: the call pads
-    them (test_lowering.py); "cublaslt" runs the fused kernel at every size."""
+    them (test_lowering.py), and from the padding's size floor on "auto" fuses such layers
+    even below its floor for aligned ones; "cublaslt" runs the fused kernel at every size."""
     args = [jax.ShapeDtypeStruct(s, dtype) for s in ((m, k), (k, n), (n,))]
     f = functools.partial(fused_dense, activation=activation)
     assert (FUSED in _jaxpr(f, *args)) == fused
     assert FUSED in _jaxpr(functools.partial(f, implementation="cublaslt"), *args)
 
 
-@pytest.mark.parametrize("shape,padded", [((8192, 1020, 4097), (1024, 4104)), ((1024, 1020, 4097), None)])
+@pytest.mark.parametrize(
+    "shape,padded",
+    [((8192, 1020, 4097), (1024, 4104)), ((1024, 1024, 4097), (1024, 4104)), ((1024, 1020, 4097), None)],
+)
 def test_auto_gradient_of_an_unaligned_large_layer_runs_on_padded_rows(shape, padded):
     """Under jax.grad, "auto"'s large unaligned layer is XLA's program on the operands
     padded as the fused call pads them (8192x1020->4097 as 8192x1024->4104), where XLA's

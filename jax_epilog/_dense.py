@@ -216,8 +216,10 @@ def fused_dense(
         # kernel's forward with XLA's derivatives; everything else is XLA's expression.
         if return_aux or ct not in _XLA_COMPUTE_TYPES:
             impl = "cublaslt"
-        elif _auto_fuses(act, dtype, m, n, k) or _auto_pads(act, dtype, m, n, k):
+        elif _auto_fuses(act, dtype, m, n, k):
             impl = "fused forward"
+        elif _auto_pads(act, dtype, m, n, k):
+            impl = "xla on padded rows"
         else:
             impl = "xla"
 
@@ -230,6 +232,8 @@ def fused_dense(
     )
     if impl == "xla":
         return _plain(x, kernel, bias, config)  # the user's expression, leading dimensions and all
+    if impl == "xla on padded rows":
+        return _plain_on_padded_rows(x, kernel, bias, config)
     # x goes to the op with its leading dimensions (one row: (1, K)): each device folds its
     # own rows, however they are split (a reshape here would be partitioned first).
     rows = x if x.ndim > 1 else x[None]
@@ -305,12 +309,14 @@ def _auto_fuses(activation: Activation | None, dtype: str, m: int, n: int, k: in
 
 
 def _auto_pads(activation: Activation | None, dtype: str, m: int, n: int, k: int) -> bool:
-    """The "auto" rule for a forward pass below ``_auto_fuses``'s size floor: a layer whose
-    K or N is not a multiple of 8 and that the fused call pads (1024 rows or more,
-    M*N*K >= 2**32: ``_primitive.fast_rows``), with ``_auto_fuses``'s activations and
-    dtypes. XLA's own kernels for such rows are slow too, so the padded fused call led
-    XLA where aligned layers of that size are bound by host time: 1.22x (ReLU) and 1.35x
-    (GELU) at 1024x1024->4097 and 1.58x at 4096x1024->1025 GELU (H100, 2026-12-05 (ah))."""
+    """The "auto" rule below ``_auto_fuses``'s size floor for a layer whose K or N is not a
+    multiple of 8 and that a fused call would pad (1024 rows or more, M*N*K >= 2**32:
+    ``_primitive.fast_rows``), with ``_auto_fuses``'s activations and dtypes: XLA's
+    expression and autodiff on the padded operands (``_plain_on_padded_rows``). XLA's own
+    kernels for unaligned rows are slow too; padded, fwd+bwd read 1.96x XLA at
+    4096x1024->1025 and 1.39x at 1024x1024->4097 (GELU, H200, 2026-12-05 (ai)). The
+    padded fused forward there read 0.65x and 1.15x XLA on the H200 (1.58x and 1.35x on
+    an H100, (ah)): no lead a rule could follow."""
     if not known_sizes(m, n, k):
         return False
     return (

@@ -126,22 +126,26 @@ def test_auto_fuses_large_forward_passes_only(activation):
         (8192, 1023, 4097, True),
         (1023, 1024, 8200, False),  # fewer than 1024 rows
         (1024, 1024, 4096, False),  # M*N*K = 2**32 < 2**33, aligned
-        # Below 2**33 "auto" fuses the layers the call pads (_auto_pads): 1.22-1.58x XLA (H100)
-        (1024, 1024, 4097, True),
-        (4096, 1024, 1025, True),
-        (8192, 1020, 1020, True),
-        (2048, 1020, 4100, True),
+        # Below 2**33 "auto" runs XLA's expression on the rows a fused call would pad
+        (1024, 1024, 4097, "padded"),
+        (4096, 1024, 1025, "padded"),
+        (8192, 1020, 1020, "padded"),
+        (2048, 1020, 4100, "padded"),
         (1023, 1024, 4097, False),  # fewer than 1024 rows: not padded
         (1024, 1024, 1025, False),  # M*N*K < 2**32: not padded
     ],
 )
 def test_auto_fuses_large_layers_whatever_their_row_widths(m, k, n, fused, activation, dtype):
     """K and N need not be multiples of 8 for "auto" to fuse a large layer: the call pads
-    them (test_lowering.py), and from the padding's size floor on "auto" fuses such layers
-    even below its floor for aligned ones; "cublaslt" runs the fused kernel at every size."""
+    them (test_lowering.py); below the fused size floor "auto" runs XLA's expression on
+    such rows padded likewise; "cublaslt" runs the fused kernel at every size."""
     args = [jax.ShapeDtypeStruct(s, dtype) for s in ((m, k), (k, n), (n,))]
     f = functools.partial(fused_dense, activation=activation)
-    assert (FUSED in _jaxpr(f, *args)) == fused
+    text = _jaxpr(f, *args)
+    assert (FUSED in text) == (fused is True)
+    rows = -(-k // 8) * 8, -(-n // 8) * 8
+    if rows != (k, n):  # (a fused call pads inside its lowering, not in the jaxpr)
+        assert (f"[{rows[0]},{rows[1]}]" in text) == (fused == "padded")
     assert FUSED in _jaxpr(functools.partial(f, implementation="cublaslt"), *args)
 
 
@@ -216,6 +220,26 @@ def test_auto_fused_forward_with_xla_derivatives(rng, activation, monkeypatch, p
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
     hessian = lambda g: jax.hessian(lambda x: jnp.sum(g(x, w, b) ** 2))(x)
     np.testing.assert_allclose(np.asarray(hessian(f)), np.asarray(hessian(plain)), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_auto_on_padded_rows_gives_the_plain_values_and_gradients(rng, activation, monkeypatch):
+    """"auto"'s XLA expression on padded rows (the padding's size floor lowered, so that
+    bfloat16 K = 17, N = 9 pad to 24 and 16): the values and gradients of
+    implementation="xla", and the padded shapes in its program."""
+    monkeypatch.setattr(_primitive, "_PAD_MIN_ROWS", 0)
+    monkeypatch.setattr(_primitive, "_PAD_MIN_WORK", 0)
+    x, w, b = _inputs(rng, 33, 17, 9, "bfloat16")
+    f = functools.partial(fused_dense, activation=activation)
+    xla = functools.partial(f, implementation="xla")
+    assert "bf16[24,16]" in _jaxpr(f, x, w, b) and FUSED not in _jaxpr(f, x, w, b)
+    assert "bf16[24,16]" not in _jaxpr(xla, x, w, b)
+    tol = {"rtol": 2e-2, "atol": 2e-2}
+    np.testing.assert_allclose(*(np.asarray(g(x, w, b), np.float32) for g in (f, xla)), **tol)
+    loss = lambda g: jax.grad(lambda *a: jnp.sum(g(*a).astype(jnp.float32) ** 2), argnums=(0, 1, 2))(x, w, b)
+    for got, want in zip(loss(f), loss(xla)):
+        assert got.shape == want.shape
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), **tol)
 
 
 def test_auto_keeps_the_op_where_xla_cannot_reproduce_it(rng):

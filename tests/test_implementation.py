@@ -149,23 +149,27 @@ def test_auto_fuses_large_layers_whatever_their_row_widths(m, k, n, fused, activ
     assert FUSED in _jaxpr(functools.partial(f, implementation="cublaslt"), *args)
 
 
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
 @pytest.mark.parametrize(
     "shape,padded",
     [((8192, 1020, 4097), (1024, 4104)), ((1024, 1024, 4097), (1024, 4104)), ((1024, 1020, 4097), None)],
 )
-def test_auto_gradient_of_an_unaligned_large_layer_runs_on_padded_rows(shape, padded):
+def test_gradient_of_an_unaligned_large_layer_runs_on_padded_rows(shape, padded, activation):
     """Under jax.grad, "auto"'s large unaligned layer is XLA's program on the operands
     padded as the fused call pads them (8192x1020->4097 as 8192x1024->4104), where XLA's
-    GEMMs run on aligned rows; a layer too small to pad keeps the user's shapes."""
+    GEMMs run on aligned rows, and "cublaslt"'s backward runs its GEMMs on those padded
+    rows too; a layer too small to pad keeps the user's shapes."""
     m, k, n = shape
     args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((m, k), (k, n), (n,))]
-    loss = lambda x, w, b: jnp.sum(fused_dense(x, w, b, activation="gelu").astype(jnp.float32))
-    text = _jaxpr(jax.grad(loss, argnums=(0, 1, 2)), *args)
-    assert FUSED not in text
-    if padded:
-        assert f"bf16[{m},{padded[0]}]" in text and f"bf16[{padded[0]},{padded[1]}]" in text
-    else:
-        assert "pad" not in text
+    for implementation in ("auto", "cublaslt"):
+        f = functools.partial(fused_dense, activation=activation, implementation=implementation)
+        loss = lambda x, w, b, f=f: jnp.sum(f(x, w, b).astype(jnp.float32))
+        text = _jaxpr(jax.grad(loss, argnums=(0, 1, 2)), *args)
+        assert (FUSED in text) == (implementation == "cublaslt")
+        if padded:
+            assert f"bf16[{m},{padded[0]}]" in text and f"bf16[{padded[0]},{padded[1]}]" in text
+        else:
+            assert " pad[" not in text
 
 
 @pytest.mark.parametrize("activation", ["relu", "gelu"])

@@ -233,12 +233,12 @@ def fused_dense(
     if impl == "xla":
         return _plain(x, kernel, bias, config)  # the user's expression, leading dimensions and all
     if impl == "xla on padded rows":
-        return _plain_on_padded_rows(x, kernel, bias, config)
+        return _with_xla_derivatives(x, kernel, bias, config, False)
     # x goes to the op with its leading dimensions (one row: (1, K)): each device folds its
     # own rows, however they are split (a reshape here would be partitioned first).
     rows = x if x.ndim > 1 else x[None]
     if impl == "fused forward":
-        y, aux = _fused_forward_xla_derivatives(rows, kernel, bias, config), None
+        y, aux = _with_xla_derivatives(rows, kernel, bias, config, True), None
     else:
         y, aux = _dense(rows, kernel, bias, config)
     if x.ndim == 1:
@@ -311,12 +311,12 @@ def _auto_fuses(activation: Activation | None, dtype: str, m: int, n: int, k: in
 def _auto_pads(activation: Activation | None, dtype: str, m: int, n: int, k: int) -> bool:
     """The "auto" rule below ``_auto_fuses``'s size floor for a layer whose K or N is not a
     multiple of 8 and that a fused call would pad (1024 rows or more, M*N*K >= 2**32:
-    ``_primitive.fast_rows``), with ``_auto_fuses``'s activations and dtypes: XLA's
-    expression and autodiff on the padded operands (``_plain_on_padded_rows``). XLA's own
-    kernels for unaligned rows are slow too; padded, fwd+bwd read 1.96x XLA at
-    4096x1024->1025 and 1.39x at 1024x1024->4097 (GELU, H200, 2026-12-05 (ai)). The
-    padded fused forward there read 0.65x and 1.15x XLA on the H200 (1.58x and 1.35x on
-    an H100, (ah)): no lead a rule could follow."""
+    ``_primitive.fast_rows``), with ``_auto_fuses``'s activations and dtypes: the forward
+    is XLA's own expression, its derivatives that expression's on the padded operands
+    (``_with_xla_derivatives``). XLA's kernels for unaligned rows are slow: fwd+bwd so
+    padded read 1.93-1.96x XLA at 4096x1024->1025 and 1.36-1.39x at 1024x1024->4097
+    (GELU, H200 and H100, 2026-12-05 (ai)). The forward alone gained nothing a rule could
+    follow: padded fused 0.65-1.58x XLA there over three runs, padded XLA 0.84-1.11x."""
     if not known_sizes(m, n, k):
         return False
     return (
@@ -330,16 +330,20 @@ def _plain(x, kernel, bias, config: _Config):
     return _reference.plain(x, kernel, bias, config.activation, tf32)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
-def _fused_forward_xla_derivatives(x, kernel, bias, config: _Config):
-    """The fused kernel when only the value is needed. Differentiated, in either mode, the
-    plain expression with its own derivatives: under ``jax.grad`` XLA's autodiff (measured
-    faster for fwd+bwd), and forward mode (``jax.jvp``, ``jax.jacfwd``, ``jax.hessian``)
-    as for any jnp code."""
-    return _forward(x, kernel, bias, config, with_aux=False)[0]
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4))
+def _with_xla_derivatives(x, kernel, bias, config: _Config, fused: bool):
+    """The layer's value where only the value is needed: the fused kernel (``fused``) or
+    XLA's own expression. Differentiated, in either mode, the plain expression with its
+    own derivatives, on padded rows where K or N is unaligned on a large layer
+    (``_plain_on_padded_rows``): under ``jax.grad`` XLA's autodiff (measured faster for
+    fwd+bwd), and forward mode (``jax.jvp``, ``jax.jacfwd``, ``jax.hessian``) as for any
+    jnp code."""
+    if fused:
+        return _forward(x, kernel, bias, config, with_aux=False)[0]
+    return _plain(x, kernel, bias, config)
 
 
-def _fxd_jvp(config: _Config, primals, tangents):
+def _xd_jvp(config: _Config, fused: bool, primals, tangents):
     # Only the differentiated arguments enter the expression's jvp, so an argument held
     # constant adds no product with a zero tangent, and reverse mode lowers to the very
     # program of the user's expression under jax.grad (tests/test_implementation.py), or,
@@ -368,7 +372,7 @@ def _plain_on_padded_rows(x, kernel, bias, config: _Config):
     return _plain(*padded, config)[..., :n]
 
 
-_fused_forward_xla_derivatives.defjvp(_fxd_jvp, symbolic_zeros=True)
+_with_xla_derivatives.defjvp(_xd_jvp, symbolic_zeros=True)
 
 
 class _Config(NamedTuple):

@@ -137,15 +137,18 @@ def test_auto_fuses_large_forward_passes_only(activation):
 )
 def test_auto_fuses_large_layers_whatever_their_row_widths(m, k, n, fused, activation, dtype):
     """K and N need not be multiples of 8 for "auto" to fuse a large layer: the call pads
-    them (test_lowering.py); below the fused size floor "auto" runs XLA's expression on
-    such rows padded likewise; "cublaslt" runs the fused kernel at every size."""
+    them (test_lowering.py); below the fused size floor "auto"'s forward is the user's
+    program and its gradient that program's on rows padded likewise; "cublaslt" runs the
+    fused kernel at every size."""
     args = [jax.ShapeDtypeStruct(s, dtype) for s in ((m, k), (k, n), (n,))]
     f = functools.partial(fused_dense, activation=activation)
-    text = _jaxpr(f, *args)
-    assert (FUSED in text) == (fused is True)
-    rows = -(-k // 8) * 8, -(-n // 8) * 8
-    if rows != (k, n):  # (a fused call pads inside its lowering, not in the jaxpr)
-        assert (f"[{rows[0]},{rows[1]}]" in text) == (fused == "padded")
+    assert (FUSED in _jaxpr(f, *args)) == (fused is True)
+    if fused == "padded":
+        lowered = [jax.jit(g).lower(*args).as_text() for g in (f, functools.partial(f, implementation="xla"))]
+        assert lowered[0] == lowered[1]
+        rows = -(-k // 8) * 8, -(-n // 8) * 8
+        grad = _jaxpr(jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2)), *args)
+        assert f"[{rows[0]},{rows[1]}]" in grad
     assert FUSED in _jaxpr(functools.partial(f, implementation="cublaslt"), *args)
 
 
@@ -228,20 +231,22 @@ def test_auto_fused_forward_with_xla_derivatives(rng, activation, monkeypatch, p
 
 @pytest.mark.parametrize("activation", ["relu", "gelu"])
 def test_auto_on_padded_rows_gives_the_plain_values_and_gradients(rng, activation, monkeypatch):
-    """"auto"'s XLA expression on padded rows (the padding's size floor lowered, so that
+    """"auto"'s derivatives on padded rows (the padding's size floor lowered, so that
     bfloat16 K = 17, N = 9 pad to 24 and 16): the values and gradients of
-    implementation="xla", and the padded shapes in its program."""
+    implementation="xla", and the padded shapes in the gradient's program only."""
     monkeypatch.setattr(_primitive, "_PAD_MIN_ROWS", 0)
     monkeypatch.setattr(_primitive, "_PAD_MIN_WORK", 0)
     x, w, b = _inputs(rng, 33, 17, 9, "bfloat16")
     f = functools.partial(fused_dense, activation=activation)
     xla = functools.partial(f, implementation="xla")
-    assert "bf16[24,16]" in _jaxpr(f, x, w, b) and FUSED not in _jaxpr(f, x, w, b)
-    assert "bf16[24,16]" not in _jaxpr(xla, x, w, b)
+    loss = lambda g: jax.grad(lambda *a: jnp.sum(g(*a).astype(jnp.float32) ** 2), argnums=(0, 1, 2))
+    assert "bf16[24,16]" not in _jaxpr(f, x, w, b) and FUSED not in _jaxpr(f, x, w, b)
+    assert "bf16[24,16]" in _jaxpr(loss(f), x, w, b) and "bf16[24,16]" not in _jaxpr(loss(xla), x, w, b)
     tol = {"rtol": 2e-2, "atol": 2e-2}
     np.testing.assert_allclose(*(np.asarray(g(x, w, b), np.float32) for g in (f, xla)), **tol)
-    loss = lambda g: jax.grad(lambda *a: jnp.sum(g(*a).astype(jnp.float32) ** 2), argnums=(0, 1, 2))(x, w, b)
-    for got, want in zip(loss(f), loss(xla)):
+    tangents = tuple(jnp.asarray(rng.standard_normal(a.shape), a.dtype) for a in (x, w, b))
+    forward_mode = [jax.jvp(g, (x, w, b), tangents)[1] for g in (f, xla)]
+    for got, want in zip((*loss(f)(x, w, b), forward_mode[0]), (*loss(xla)(x, w, b), forward_mode[1])):
         assert got.shape == want.shape
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), **tol)
 

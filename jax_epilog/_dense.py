@@ -162,9 +162,11 @@ def fused_dense(
         Where K or N is not a multiple of 8 elements (of 4 in float32), on 1024 rows or
         more with M*N*K >= 2**32, the GPU call pads them with zeros to whole 16-byte rows
         and cuts its results back: cuBLASLt's kernels for other rows measured up to 18x
-        slower (H100, benchmarks/README.md). The values are the same sums. Under
-        ``jax.grad`` "auto" then runs XLA's expression on the same padded operands, whose
-        GEMMs are as slow on unaligned rows.
+        slower (H100, benchmarks/README.md). The values are the same sums. XLA's GEMMs
+        are as slow on unaligned rows, so on such layers the backward's GEMMs run on the
+        padded rows too: "cublaslt"'s, and "auto"'s, which differentiates XLA's
+        expression on the padded operands, from the padding's size floor on (below
+        "auto"'s fused floor its forward is XLA's own expression).
 
     Returns:
       ``y`` of shape (..., N) in ``x``'s dtype, or ``(y, aux)`` with ``return_aux=True``.

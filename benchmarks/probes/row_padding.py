@@ -1,6 +1,6 @@
 """Probe: does padding K and N to whole 16-byte rows make the fused kernels fast again?
 
-    python -m benchmarks.probes.row_padding [--out DIR] [--modes fwd fwd+bwd mlp]
+    python -m benchmarks.probes.row_padding [--out DIR] [--modes fwd fwd+bwd mlp] [--case M K N ACT ...]
 
 cuBLASLt's kernels for matrices whose rows are not 16 bytes apart (K or N not a multiple of
 8 in bf16) measured 0.08-0.87x XLA at 8192 rows (2026-12-05 (ag)). Since (ah) a fused call
@@ -119,9 +119,17 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None)
     parser.add_argument("--modes", nargs="+", default=None, help="only these modes (fwd, fwd+bwd, mlp)")
+    parser.add_argument(
+        "--case", nargs=4, action="append", metavar=("M", "K", "N", "ACT"),
+        help="bf16 cases of your own instead of CASES (repeatable), in --modes (default fwd)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    cases = CASES
+    if args.case:
+        modes = tuple(args.modes or ("fwd",))
+        cases = [(int(m), int(k), int(n), "bfloat16", "bfloat16", act, modes) for m, k, n, act in args.case]
     rows = []
-    for m, k, n, dtype, bias_dtype, act, modes in CASES:
+    for m, k, n, dtype, bias_dtype, act, modes in cases:
         for mode in modes:
             if args.modes and mode not in args.modes:
                 continue

@@ -56,6 +56,7 @@ from ._sharding import (
 __all__ = [
     "FastPathWarning",
     "MembersLoopWarning",
+    "aligned_rows",
     "fast_rows",
     "fused_gelu_input_grad",
     "fused_matmul",

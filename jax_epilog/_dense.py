@@ -367,11 +367,7 @@ def _plain_on_padded_rows(x, kernel, bias, config: _Config):
     and its autodiff run their GEMMs on aligned rows, as fast as on the next aligned
     shape. XLA's kernels for unaligned rows are slow too: 245-311 µs at 8192x1024->4097
     and 8192x1020->4096 against 107-170 at 8192x1024->4096 (H100, 2026-12-05 (ah))."""
-    n = kernel.shape[1]
-    padded = padded_layer(x, kernel, bias)
-    if padded[1] is kernel:
-        return _plain(x, kernel, bias, config)
-    return _plain(*padded, config)[..., :n]
+    return _plain(*padded_layer(x, kernel, bias), config)[..., : kernel.shape[1]]  # (no op unpadded)
 
 
 _with_xla_derivatives.defjvp(_xd_jvp, symbolic_zeros=True)

@@ -296,12 +296,18 @@ def _row_width(width: int, dtype) -> int:
     return -(-width // multiple) * multiple
 
 
+def _row_widths(m: int, n: int, k: int, dtype, members: int = 1) -> tuple[int, int]:
+    """(N, K) as a fused call on this problem has them: padded for cuBLASLt's fast kernels
+    where the problem is large enough to gain, else as they are."""
+    if not _pads(m, n, k, members):
+        return n, k
+    return _row_width(n, dtype), _row_width(k, dtype)
+
+
 def _padded_rows(spec: EpilogSpec) -> EpilogSpec:
-    """``spec`` with its row widths (N and K) padded for cuBLASLt's fast kernels, where the
-    problem is large enough to gain."""
-    if not _pads(spec.m, spec.n, spec.k, spec.members):
-        return spec
-    return spec._replace(n=_row_width(spec.n, spec.ab_dtype), k=_row_width(spec.k, spec.ab_dtype))
+    """``spec`` with its row widths (N and K) as the fused call has them (``_row_widths``)."""
+    n, k = _row_widths(spec.m, spec.n, spec.k, spec.ab_dtype, spec.members)
+    return spec._replace(n=n, k=k)
 
 
 def _pads(m: int, n: int, k: int, members: int = 1) -> bool:
@@ -324,9 +330,9 @@ def padded_layer(x, kernel, bias):
     """(x, kernel, bias) padded with zeros to whole 16-byte rows where a fused call on them
     would pad (``_padded_rows``: large problems, K or N unaligned), else as given."""
     (k, n), m = kernel.shape, math.prod(x.shape[:-1])
-    if not known_sizes(m, n, k) or not _pads(m, n, k):
+    if not known_sizes(m, n, k):
         return x, kernel, bias
-    k_rows, n_rows = _row_width(k, x.dtype), _row_width(n, x.dtype)
+    n_rows, k_rows = _row_widths(m, n, k, x.dtype)
     return pad_to(x, k_rows), pad_to(kernel, k_rows, n_rows), None if bias is None else pad_to(bias, n_rows)
 
 

@@ -418,15 +418,9 @@ def _dense_bwd(config: _Config, residuals, cotangents):
     if config.activation is Activation.GELU and config.return_aux:
         dz_extra = daux[..., : kernel.shape[1]]  # the GELU aux is z: its cotangent adds to dz
     dz = _reference.output_grad(aux, dy, dz_extra, config.activation, ct, x.dtype)
-    # The GEMMs on the rows the forward padded (K or N unaligned on a large layer), cut back
-    # after: XLA's kernels for unaligned rows are slow too (_plain_on_padded_rows).
-    (k, n), (x_rows, kernel_rows, _) = kernel.shape, padded_layer(x, kernel, None)
-    dz_rows = _reference.pad_to(dz, kernel_rows.shape[1])
-    dx = _reference.input_grad(dz_rows, kernel_rows, ct)[..., :k]  # XLA's GEMM
-    dkernel, dbias = weight_grads(
-        x_rows, dz_rows, kernel_rows, config.activation, ct, config.d_dtype, config.bias_dtype
+    dx, dkernel, dbias = layer_grads(
+        x, dz, kernel, config.activation, ct, config.d_dtype, config.bias_dtype
     )
-    dkernel, dbias = dkernel[:k, :n], (None if dbias is None else dbias[:n])
     # Under explicit sharding each gradient takes its primal's type (e.g. a kernel split
     # along N whose GEMM gathered it: FSDP, or an aux that cannot split).
     return like(dx, x), like(dkernel, kernel), (None if dbias is None else like(dbias, bias))
@@ -435,7 +429,20 @@ def _dense_bwd(config: _Config, residuals, cotangents):
 _dense.defvjp(_dense_fwd, _dense_bwd)
 
 
-def weight_grads(x, dz, kernel, activation, ct, d_dtype, bias_dtype, fused: bool = True):
+def layer_grads(x, dz, kernel, activation, ct, d_dtype, bias_dtype, fused=True, input_grad=True):
+    """A layer's (dx or None, dkernel, dbias or None) from its input x and its dz: ``dx``
+    from XLA's GEMM (unless not ``input_grad``), the others from ``_weight_grads``. The
+    GEMMs run on the rows a fused forward pads (K or N unaligned on a large layer), their
+    results cut back after: XLA's kernels for unaligned rows are slow too
+    (``_plain_on_padded_rows``)."""
+    (k, n), (x_rows, kernel_rows, _) = kernel.shape, padded_layer(x, kernel, None)
+    dz_rows = _reference.pad_to(dz, kernel_rows.shape[1])
+    dx = _reference.input_grad(dz_rows, kernel_rows, ct)[..., :k] if input_grad else None
+    dkernel, dbias = _weight_grads(x_rows, dz_rows, kernel_rows, activation, ct, d_dtype, bias_dtype, fused)
+    return dx, dkernel[:k, :n], (None if dbias is None else dbias[:n])
+
+
+def _weight_grads(x, dz, kernel, activation, ct, d_dtype, bias_dtype, fused: bool = True):
     """A layer's (dkernel, dbias or None) from its input and dz (summed over their leading
     dimensions, the rows), in the kernel's and bias's dtypes. Without a bias, a plain
     GEMM. With one (in ``d_dtype``: float32 beside a float32 bias), ``fused``: one cuBLASLt

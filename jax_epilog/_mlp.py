@@ -33,7 +33,7 @@ from ._dense import (
     _implementation,
     check_layer,
     fused_dense,
-    weight_grads,
+    layer_grads,
 )
 from ._epilogs import Activation, ComputeType, aux_padded_width, known_sizes
 from ._primitive import fast_rows, fused_gelu_input_grad, fused_matmul
@@ -301,16 +301,17 @@ def _mlp_bwd(config: _Config, residuals, dy):
             y = y_last if i == len(layers) - 1 else inputs[i + 1]
             dz = _output_grad(layer, auxes[i], y, dy, h.dtype)
         act, ct = layer.activation, layer.compute_type
-        dkernel, dbias = weight_grads(
-            h, dz, kernel, act, ct, layer.d_dtype, layer.bias_dtype, config.fused_wgrad
-        )
+        linked = i and layers[i - 1].activation is Activation.GELU  # DGELU in the dx GEMM's epilog
+        dh, dkernel, dbias = layer_grads(
+            h, dz, kernel, act, ct, layer.d_dtype, layer.bias_dtype, config.fused_wgrad, not linked
+        )  # (XLA's GEMMs on padded rows where the layer is large and K or N unaligned)
         dkernels.append(like(dkernel, kernel))  # each its primal's type under explicit sharding
         dbiases.append(None if dbias is None else like(dbias, biases[i]))
-        if i and layers[i - 1].activation is Activation.GELU:  # DGELU in this GEMM's epilog
+        if linked:  # (the fused call pads its own rows)
             (dz_below,) = fused_gelu_input_grad(dz, kernel, auxes[i - 1], compute_type=ct)
             dz = dz_below.astype(h.dtype)
         else:
-            dy, dz = _reference.input_grad(dz, kernel, ct), None
+            dy, dz = dh, None
     return like(dy, inputs[0]), tuple(reversed(dkernels)), tuple(reversed(dbiases))
 
 

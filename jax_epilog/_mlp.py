@@ -304,7 +304,7 @@ def _mlp_bwd(config: _Config, residuals, dy):
             y = y_last if i == len(layers) - 1 else inputs[i + 1]
             dz = _output_grad(layer, auxes[i], y, dy, h.dtype)
         act, ct = layer.activation, layer.compute_type
-        linked = i and layers[i - 1].activation is Activation.GELU  # DGELU in the dx GEMM's epilog
+        linked = i > 0 and layers[i - 1].activation is Activation.GELU  # DGELU in the dx GEMM's epilog
         dh, dkernel, dbias = layer_grads(
             h, dz, kernel, act, ct, layer.d_dtype, layer.bias_dtype, config.fused_wgrad, not linked
         )  # (XLA's GEMMs on padded rows where the layer is large and K or N unaligned)

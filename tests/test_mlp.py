@@ -401,13 +401,11 @@ def _dot_shapes(f, *args) -> list[tuple[int, ...]]:
 
 
 @pytest.mark.parametrize("implementation", ["auto", "cublaslt"])
-def test_linked_backward_runs_its_xla_gemms_on_padded_rows(rng, monkeypatch, implementation):
+def test_linked_backward_runs_its_xla_gemms_on_padded_rows(implementation):
     """In a linked block whose layers are large enough for their calls to pad K and N
     (8192x1020->4100->1020), the backward's XLA GEMMs (dx; "auto"'s kernel gradients) run
     on the padded rows, as fused_dense's backward does: every GEMM the gradient adds to the
-    forward's has widths that are multiples of 8. Then, with padding at any size, values
-    against the float64 reference (bfloat16 widths 6 -> 9 -> 5 -> 3, padded to 8 and 16;
-    "auto" links such blocks on 8192 rows: test_auto_link_on_many_rows_...)."""
+    forward's has widths that are multiples of 8."""
     sds = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
     x, layers = sds(8192, 1020), [(sds(1020, 4100), sds(4100)), (sds(4100, 1020), sds(1020))]
     mlp = functools.partial(fused_mlp, activations=("gelu", None), implementation=implementation)
@@ -416,14 +414,18 @@ def test_linked_backward_runs_its_xla_gemms_on_padded_rows(rng, monkeypatch, imp
     forward = _dot_shapes(mlp, x, layers)
     added = _dot_shapes(grad, x, layers)[len(forward) :]
     assert added and all(d % 8 == 0 for shape in added for d in shape[-2:]), added
-    if implementation == "auto":
-        return
+
+
+def test_cublaslt_linked_backward_on_padded_rows_matches_float64_reference_vjp(rng, monkeypatch):
+    """The padded linked backward's values, with padding at any size: bfloat16 widths
+    6 -> 9 -> 5 -> 3 padded to 8 and 16 ("auto" links such blocks from 8192 rows:
+    test_auto_link_on_many_rows_matches_float64_reference_vjp)."""
     monkeypatch.setattr(primitive_module, "_PAD_MIN_ROWS", 0)
     monkeypatch.setattr(primitive_module, "_PAD_MIN_WORK", 0)
     activations = ("gelu", "relu", None)
     x, layers = draw(rng, (37, 6), (9, 5, 3), "bfloat16", activations)
     dy = rng.standard_normal((37, 3)).astype(np_dtype("bfloat16"))
-    f = jax.jit(functools.partial(fused_mlp, activations=activations, implementation=implementation))
+    f = jax.jit(functools.partial(fused_mlp, activations=activations, implementation="cublaslt"))
     _assert_grads_match_reference(f, x, layers, dy, activations, TOL["bfloat16"])
 
 

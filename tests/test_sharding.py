@@ -1160,3 +1160,34 @@ def test_padded_backward_under_explicit_sharding(rng, monkeypatch, implementatio
         assert jax.typeof(got).sharding.spec == jax.typeof(primal).sharding.spec
         want = np.asarray(want, np.float32)
         np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
+
+
+def test_padded_linked_mlp_backward_under_explicit_sharding(rng, monkeypatch):
+    """fused_mlp's linked backward on padded rows (the floors lowered: bfloat16 K = 10, a
+    column-parallel N = 258 that pads to 264, then a row-parallel layer to 7 columns, which
+    pad to 8) under explicit sharding: every gradient typed as its primal, and the values
+    those of the unpadded program."""
+    monkeypatch.setattr(_primitive, "_PAD_MIN_ROWS", 0)
+    monkeypatch.setattr(_primitive, "_PAD_MIN_WORK", 0)
+    m = mesh((2, 2), ("data", "model"), AxisType.Explicit)
+    x, w1, b1 = (jnp.asarray(a, jnp.bfloat16) for a in operands(rng, 4 * 3, 10, 2 * 129))
+    _, w2, b2 = (jnp.asarray(a, jnp.bfloat16) for a in operands(rng, 1, 2 * 129, 7))
+    specs = (("data",), (None, "model"), ("model",), ("model", None), ())
+    args = [put(m, a, *spec) for a, spec in zip((x, w1, b1, w2, b2), specs, strict=True)]
+
+    def mlp(x, w1, b1, w2, b2):
+        return jax_epilog.fused_mlp(x, [(w1, b1), (w2, b2)], ["gelu", None], implementation="cublaslt")
+
+    def gradients():  # (a new function each time: JAX caches traces by function)
+        grad = jax.grad(lambda *a: jnp.sum(mlp(*a).astype(jnp.float32) ** 2), argnums=tuple(range(5)))
+        return jax.jit(grad)(*args), str(jax.make_jaxpr(grad)(*args))
+
+    padded, text = gradients()
+    assert " pad[" in text and "jax_epilog_fused_gelu_input_grad" in text
+    monkeypatch.setattr(_primitive, "_ROW_BYTES", 1)
+    unpadded, text = gradients()
+    assert " pad[" not in text
+    for got, want, primal in zip(padded, unpadded, args, strict=True):
+        assert jax.typeof(got).sharding.spec == jax.typeof(primal).sharding.spec
+        want = np.asarray(want, np.float32)
+        np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2e-2, atol=2e-2 * np.abs(want).max())

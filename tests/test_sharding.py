@@ -1135,24 +1135,20 @@ def test_explicit_sharding_ensemble_of_fused_mlps_keeps_members_split(rng):
     assert collectives(grad.lower(*args).compile().as_text()) == {"all-gather": 0, "all-reduce": 0, "all-to-all": 0}
 
 
-@pytest.mark.parametrize("implementation", ["cublaslt", "auto"])
-def test_padded_backward_under_explicit_sharding(rng, monkeypatch, implementation):
-    """The backward's GEMMs on padded rows (the padding's size floors lowered: bfloat16
-    K = 10 and a column-parallel N = 258 pad to 16 and 264) under explicit sharding: every
-    gradient typed as its primal, and the values those of the unpadded program."""
+def _assert_padded_gradients_match_unpadded(monkeypatch, f, args, op=None):
+    """jax.grad of sum(f(*args)**2) on padded rows (the padding's size floors lowered; the
+    program holds ``op``, where given) against the same program never padded: every gradient typed as
+    its primal, and the values those of the unpadded program."""
     monkeypatch.setattr(_primitive, "_PAD_MIN_ROWS", 0)
     monkeypatch.setattr(_primitive, "_PAD_MIN_WORK", 0)
-    m = mesh((2, 2), ("data", "model"), AxisType.Explicit)
-    x, w, b = (jnp.asarray(a, jnp.bfloat16) for a in operands(rng, 4 * 3, 10, 2 * 129))
-    args = (put(m, x, "data"), put(m, w, None, "model"), put(m, b, "model"))
-    f = functools.partial(jax_epilog.fused_dense, activation="gelu", implementation=implementation)
 
     def gradients():  # (a new function each time: JAX caches traces by function)
-        grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32) ** 2), argnums=(0, 1, 2))
+        argnums = tuple(range(len(args)))
+        grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32) ** 2), argnums=argnums)
         return jax.jit(grad)(*args), str(jax.make_jaxpr(grad)(*args))
 
     padded, text = gradients()
-    assert " pad[" in text
+    assert " pad[" in text and (op is None or op in text)
     monkeypatch.setattr(_primitive, "_ROW_BYTES", 1)
     unpadded, text = gradients()
     assert " pad[" not in text
@@ -1162,13 +1158,23 @@ def test_padded_backward_under_explicit_sharding(rng, monkeypatch, implementatio
         np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("implementation", ["cublaslt", "auto"])
+def test_padded_backward_under_explicit_sharding(rng, monkeypatch, implementation):
+    """The backward's GEMMs on padded rows (bfloat16 K = 10 and a column-parallel N = 258
+    pad to 16 and 264) under explicit sharding: every gradient typed as its primal, and the
+    values those of the unpadded program."""
+    m = mesh((2, 2), ("data", "model"), AxisType.Explicit)
+    x, w, b = (jnp.asarray(a, jnp.bfloat16) for a in operands(rng, 4 * 3, 10, 2 * 129))
+    args = (put(m, x, "data"), put(m, w, None, "model"), put(m, b, "model"))
+    f = functools.partial(jax_epilog.fused_dense, activation="gelu", implementation=implementation)
+    _assert_padded_gradients_match_unpadded(monkeypatch, f, args)
+
+
 def test_padded_linked_mlp_backward_under_explicit_sharding(rng, monkeypatch):
-    """fused_mlp's linked backward on padded rows (the floors lowered: bfloat16 K = 10, a
-    column-parallel N = 258 that pads to 264, then a row-parallel layer to 7 columns, which
-    pad to 8) under explicit sharding: every gradient typed as its primal, and the values
-    those of the unpadded program."""
-    monkeypatch.setattr(_primitive, "_PAD_MIN_ROWS", 0)
-    monkeypatch.setattr(_primitive, "_PAD_MIN_WORK", 0)
+    """fused_mlp's linked backward on padded rows (bfloat16 K = 10, a column-parallel
+    N = 258 that pads to 264, then a row-parallel layer to 7 columns, which pad to 8) under
+    explicit sharding: every gradient typed as its primal, and the values those of the
+    unpadded program."""
     m = mesh((2, 2), ("data", "model"), AxisType.Explicit)
     x, w1, b1 = (jnp.asarray(a, jnp.bfloat16) for a in operands(rng, 4 * 3, 10, 2 * 129))
     _, w2, b2 = (jnp.asarray(a, jnp.bfloat16) for a in operands(rng, 1, 2 * 129, 7))
@@ -1178,16 +1184,4 @@ def test_padded_linked_mlp_backward_under_explicit_sharding(rng, monkeypatch):
     def mlp(x, w1, b1, w2, b2):
         return jax_epilog.fused_mlp(x, [(w1, b1), (w2, b2)], ["gelu", None], implementation="cublaslt")
 
-    def gradients():  # (a new function each time: JAX caches traces by function)
-        grad = jax.grad(lambda *a: jnp.sum(mlp(*a).astype(jnp.float32) ** 2), argnums=tuple(range(5)))
-        return jax.jit(grad)(*args), str(jax.make_jaxpr(grad)(*args))
-
-    padded, text = gradients()
-    assert " pad[" in text and "jax_epilog_fused_gelu_input_grad" in text
-    monkeypatch.setattr(_primitive, "_ROW_BYTES", 1)
-    unpadded, text = gradients()
-    assert " pad[" not in text
-    for got, want, primal in zip(padded, unpadded, args, strict=True):
-        assert jax.typeof(got).sharding.spec == jax.typeof(primal).sharding.spec
-        want = np.asarray(want, np.float32)
-        np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
+    _assert_padded_gradients_match_unpadded(monkeypatch, mlp, args, "jax_epilog_fused_gelu_input_grad")

@@ -2,6 +2,7 @@
 
 import contextlib
 import json
+import re
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -993,3 +994,35 @@ def test_mixed_block_probe_times_gelu_and_relu_layers_in_one_block_on_cpu(rng, t
     assert [r["shape"] for r in rows] == ["24x8->32->32->8"]
     assert all(r[f"{c}_us"] > 0 for r in rows for c in mixed_block.CONTENDERS)
     assert "| XLA/fused_dense | XLA/fused_mlp | XLA/fused_mlp_cublaslt |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("activation", ["gelu", "none"])
+def test_row_padding_probe_contenders_agree_and_pad_on_cpu(rng, monkeypatch, tmp_path, capsys, activation):
+    """Every contender of benchmarks.probes.row_padding computes the same forward and
+    gradients (padding forced at any size), "xla_padded"'s GEMMs write rows whose widths are
+    multiples of 8 (K and N are not: odd, 9-39), and the probe writes its table."""
+    from benchmarks.probes import row_padding
+    from jax_epilog import _primitive
+
+    monkeypatch.setattr(_primitive, "_PAD_MIN_ROWS", 0)
+    monkeypatch.setattr(_primitive, "_PAD_MIN_WORK", 0)
+    m, k, n = (int(v) | 1 for v in rng.integers(9, 40, size=3))
+    for mode in ("fwd", "fwd+bwd", "mlp"):
+        case = Case(m, k, n, "bfloat16", "bfloat16", activation, mode)
+        args = run.Inputs(case).jax()[0]
+        want = [np.asarray(a, np.float32) for a in jax.tree.leaves(jax.jit(row_padding.program(case, "xla"))(*args))]
+        assert all(np.max(np.abs(w)) > 0 for w in want)
+        for contender in row_padding.CONTENDERS:
+            got = jax.tree.leaves(jax.jit(row_padding.program(case, contender))(*args))
+            for g, w in zip(got, want, strict=True):
+                scale = float(np.max(np.abs(w)))
+                np.testing.assert_allclose(np.asarray(g, np.float32), w, atol=3e-2 * scale, err_msg=f"{mode} {contender}")
+        jaxpr = str(jax.make_jaxpr(row_padding.program(case, "xla_padded"))(*args))
+        widths = [int(shape.split(",")[-1]) for shape in re.findall(r"\[([\d,]+)\] = dot_general", jaxpr)]
+        assert widths and all(w % 8 == 0 for w in widths), (mode, widths)
+    monkeypatch.undo()
+    row_padding.main(["--case", "24", "9", "11", activation, "--modes", "fwd", "fwd+bwd", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "row_padding.json").read_text())["rows"]
+    assert [(r["shape"], r["mode"]) for r in rows] == [("24x9->11", "fwd"), ("24x9->11", "fwd+bwd")]
+    assert all(r[f"{c}_us"] > 0 for r in rows for c in row_padding.CONTENDERS)
+    assert "| XLA/padded | XLA/auto | XLA/XLA padded | unpadded/padded |" in capsys.readouterr().out

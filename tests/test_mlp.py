@@ -401,19 +401,21 @@ def _dot_shapes(f, *args) -> list[tuple[int, ...]]:
 
 
 @pytest.mark.parametrize("implementation", ["auto", "cublaslt"])
-def test_linked_backward_runs_its_xla_gemms_on_padded_rows(implementation):
+def test_linked_block_runs_its_xla_gemms_on_padded_rows(implementation):
     """In a linked block whose layers are large enough for their calls to pad K and N
-    (8192x1020->4100->1020), the backward's XLA GEMMs (dx; "auto"'s kernel gradients) run
-    on the padded rows, as fused_dense's backward does: every GEMM the gradient adds to the
-    forward's has widths that are multiples of 8."""
+    (8192x1020->4100->1020), every XLA GEMM runs on the padded rows, as fused_dense's
+    backward does: "auto"'s forward of the layer it does not fuse (the last, without an
+    activation), and the backward's (dx; "auto"'s kernel gradients). Every GEMM's widths
+    are multiples of 8."""
     sds = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
     x, layers = sds(8192, 1020), [(sds(1020, 4100), sds(4100)), (sds(4100, 1020), sds(1020))]
     mlp = functools.partial(fused_mlp, activations=("gelu", None), implementation=implementation)
     grad = jax.grad(lambda x, layers: jnp.sum(mlp(x, layers).astype(jnp.float32)), argnums=(0, 1))
     assert "jax_epilog_fused_gelu_input_grad" in _ops(grad, x, layers)
     forward = _dot_shapes(mlp, x, layers)
-    added = _dot_shapes(grad, x, layers)[len(forward) :]
-    assert added and all(d % 8 == 0 for shape in added for d in shape[-2:]), added
+    assert forward == ([(8192, 1024)] if implementation == "auto" else []), forward
+    shapes = _dot_shapes(grad, x, layers)
+    assert len(shapes) > len(forward) and all(d % 8 == 0 for shape in shapes for d in shape[-2:]), shapes
 
 
 def test_cublaslt_linked_backward_on_padded_rows_matches_float64_reference_vjp(rng, monkeypatch):

@@ -12,11 +12,15 @@ on a large enough problem pads its row widths with zeros and slices its results 
 - ``unpadded``: the same, never padded (``_ROW_BYTES = 1``), as before (ah);
 - ``auto``: ``fused_dense``'s default, as it lowers now;
 - ``xla``: ``jax.jit`` of ``act(x @ w + b)``;
+- ``xla_padded``: the same expression on the operands a fused call pads (where it pads:
+  ``_primitive.padded_layer``), its result cut back to N columns;
 
-forward and forward + backward (the gradient of a sum), and for ``mlp`` rows the gradient
-of ``fused_mlp``'s two layers K -> N -> K with a GELU link (its DGELU input gradient reads
-an unaligned aux). Also prints the padded and unpadded forwards' largest difference,
-relative to the largest output.
+forward and forward + backward (the gradient of a sum; of a sum of squares without an
+activation, whose summed gradient XLA folds into reductions), and for ``mlp`` rows the
+gradient of ``fused_mlp``'s two layers K -> N -> K with a GELU link (its DGELU input
+gradient reads an unaligned aux; ``xla_padded``: both layers' expressions on padded rows).
+Also prints the padded and unpadded forwards' largest difference, relative to the largest
+output.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import contextlib
 import jax
 import jax.numpy as jnp
 
-from benchmarks import run
+from benchmarks import forward, run
 from benchmarks.forward import write_results
 from benchmarks.timing import WallClock, measure_interleaved
 from jax_epilog import _primitive, fused_mlp
@@ -48,8 +52,11 @@ CASES = [  # (M, K, N, dtype, bias dtype, activation, modes)
     (1000, 1000, 1003, "bfloat16", "bfloat16", "relu", ("fwd",)),
     (1000, 1000, 1003, "bfloat16", "bfloat16", "gelu", ("fwd",)),
     (256, 784, 100, "float16", "float32", "relu", ("fwd", "fwd+bwd")),  # the seed layer
+    (8192, 1024, 4097, "bfloat16", "bfloat16", "none", ("fwd", "fwd+bwd")),  # (loss: a sum of squares)
+    (8192, 4097, 1024, "bfloat16", "bfloat16", "none", ("fwd", "fwd+bwd")),
+    (2048, 1024, 4097, "bfloat16", "bfloat16", "none", ("fwd", "fwd+bwd")),
 ]
-CONTENDERS = ("padded", "unpadded", "auto", "xla")
+CONTENDERS = ("padded", "unpadded", "auto", "xla", "xla_padded")
 
 
 # What each contender changes in jax_epilog._primitive while its program lowers.
@@ -68,19 +75,39 @@ def knobs(**values):
             setattr(_primitive, name, value)
 
 
+def on_padded_rows(fwd):
+    """``fwd(x, w, b)`` on the rows a fused call pads, cut back to N columns."""
+    return lambda x, w, b: fwd(*_primitive.padded_layer(x, w, b))[..., : w.shape[1]]
+
+
+def loss(case: run.Case, y):
+    y = y.astype(jnp.float32)
+    return jnp.sum(y * y) if case.activation == "none" else jnp.sum(y)
+
+
 def program(case: run.Case, contender: str):
     """The un-jitted function ``contender`` times on ``case``."""
     if case.mode != "mlp":
-        name = {"padded": "jax_epilog", "unpadded": "jax_epilog", "auto": "jax_epilog_auto"}.get(contender, contender)
-        return run.jax_program(case, name)
+        names = {"padded": "jax_epilog", "unpadded": "jax_epilog", "auto": "jax_epilog_auto", "xla_padded": "xla"}
+        fwd = run.jax_program(case._replace(mode="fwd"), names.get(contender, contender))
+        fwd = on_padded_rows(fwd) if contender == "xla_padded" else fwd
+        if case.mode == "fwd":
+            return fwd
+        return jax.grad(lambda x, w, b: loss(case, fwd(x, w, b)), argnums=(0, 1, 2))
     impl = {"padded": "cublaslt", "unpadded": "cublaslt"}.get(contender, contender)
+    act = forward.activation_fn(case.activation)
 
-    def loss(x, w, b):  # two layers, K -> N -> K, the second's kernel the first's transposed
+    def mlp_loss(x, w, b):  # two layers, K -> N -> K, the second's kernel the first's transposed
         layers = [(w, b), (w.T, None)]
-        y = fused_mlp(x, layers, [case.activation, None], implementation=impl)
+        if contender == "xla_padded":
+            h = on_padded_rows(lambda x, w, b: act(x @ w + b))(x, w, b)
+            y = on_padded_rows(lambda x, w, b: x @ w)(h, w.T, None)
+        else:
+            activation = None if case.activation == "none" else case.activation
+            y = fused_mlp(x, layers, [activation, None], implementation=impl)
         return jnp.sum(y.astype(jnp.float32))
 
-    return jax.grad(loss, argnums=(0, 1, 2))
+    return jax.grad(mlp_loss, argnums=(0, 1, 2))
 
 
 def bench(case: run.Case) -> dict:
@@ -102,14 +129,16 @@ def bench(case: run.Case) -> dict:
 
 
 def table(rows: list[dict]) -> str:
+    names = ("padded", "unpadded", "auto", "XLA", "XLA padded")
     lines = [
-        "| M×K→N | dtype | act | mode | padded µs | unpadded µs | auto µs | XLA µs | XLA/padded | XLA/unpadded | unpadded/padded |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| M×K→N | dtype | act | mode | " + " | ".join(f"{n} µs" for n in names)
+        + " | XLA/padded | XLA/auto | XLA/XLA padded | unpadded/padded |",
+        "|---|---|---|---|" + "---|" * (len(names) + 4),
     ]
     for r in rows:
-        t = [r[f"{c}_us"] for c in CONTENDERS]
-        ratios = (t[3] / t[0], t[3] / t[1], t[1] / t[0])
-        cells = [r["shape"], r["dtype"], r["activation"], r["mode"], *(f"{v:.1f}" for v in t)]
+        t = dict(zip(CONTENDERS, (r[f"{c}_us"] for c in CONTENDERS)))
+        ratios = (t["xla"] / t["padded"], t["xla"] / t["auto"], t["xla"] / t["xla_padded"], t["unpadded"] / t["padded"])
+        cells = [r["shape"], r["dtype"], r["activation"], r["mode"], *(f"{v:.1f}" for v in t.values())]
         lines.append("| " + " | ".join(cells + [f"{v:.2f}×" for v in ratios]) + " |")
     diffs = [f"{r['shape']} {r['activation']}: {r['padded_vs_unpadded']:.1e}" for r in rows if "padded_vs_unpadded" in r]
     return "\n".join(lines) + "\n\nPadded against unpadded forward (max |diff| / max |y|): " + "; ".join(diffs) + "\n"

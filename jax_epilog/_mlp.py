@@ -131,7 +131,9 @@ def fused_mlp(
     layer, except that with ``"auto"`` a ReLU layer that is the last one, or too small,
     runs XLA's expression (its backward reads ``h_{i+1} > 0``, the same as the mask except
     where a positive z rounds to zero in x's dtype), and a GELU layer that is not fused
-    saves z; with ``"cublaslt"``, every layer runs the fused kernel and keeps its aux.
+    saves z (XLA's expressions on the padded rows of a layer whose calls pad K and N, as
+    its backward's GEMMs below); with ``"cublaslt"``, every layer runs the fused kernel
+    and keeps its aux.
     Every layer's kernel and bias gradients: as ``fused_dense`` with the same
     implementation (XLA's GEMM and reduction for ``"auto"``), and like its backward, on
     the padded rows of a layer whose calls pad K and N: the gradient of

@@ -171,8 +171,11 @@ def plain_preactivation(x: jax.Array, kernel: jax.Array, bias: jax.Array | None,
     """``x @ kernel + bias`` of ``plain``, before the activation (x's dtype, or float32
     with a float32 bias). Half dtypes keep the default precision (XLA accumulates them in
     float32 anyway), so the program is the one users write, down to its HLO; float32 asks
-    for full precision unless ``tf32`` (XLA's default on the GPU is TF32)."""
-    z = jnp.matmul(x, kernel, precision=_plain_precision(x.dtype, tf32))
+    for full precision unless ``tf32`` (XLA's default on the GPU is TF32). Under explicit
+    sharding the product is split as the dimensions it keeps are (``explicit_product``):
+    a row-parallel layer (K split) would otherwise be ambiguous, which jax refuses."""
+    out_sharding = explicit_product(x, kernel, ((x.ndim - 1,), (0,)))
+    z = jnp.matmul(x, kernel, precision=_plain_precision(x.dtype, tf32), out_sharding=out_sharding)
     return z if bias is None else z + bias
 
 

@@ -165,8 +165,9 @@ def fused_dense(
         slower (H100, benchmarks/README.md). The values are the same sums. XLA's GEMMs
         are as slow on unaligned rows, so on such layers the backward's GEMMs run on the
         padded rows too: "cublaslt"'s, and "auto"'s, which differentiates XLA's
-        expression on the padded operands, from the padding's size floor on (below
-        "auto"'s fused floor its forward is XLA's own expression).
+        expression on the padded operands, from the padding's size floor on (in
+        bfloat16 and float16; below "auto"'s fused floor, and without an activation,
+        the forward too is XLA's expression on the padded operands).
 
     Returns:
       ``y`` of shape (..., N) in ``x``'s dtype, or ``(y, aux)`` with ``return_aux=True``.
@@ -311,20 +312,19 @@ def _auto_fuses(activation: Activation | None, dtype: str, m: int, n: int, k: in
 
 
 def _auto_pads(activation: Activation | None, dtype: str, m: int, n: int, k: int) -> bool:
-    """The "auto" rule below ``_auto_fuses``'s size floor for a layer whose K or N is not a
-    multiple of 8 and that a fused call would pad (1024 rows or more, M*N*K >= 2**32:
-    ``_primitive.fast_rows``), with ``_auto_fuses``'s activations and dtypes: the forward
-    is XLA's own expression, its derivatives that expression's on the padded operands
-    (``_with_xla_derivatives``). XLA's kernels for unaligned rows are slow: fwd+bwd so
-    padded read 1.93-1.96x XLA at 4096x1024->1025 and 1.36-1.39x at 1024x1024->4097
-    (GELU, H200 and H100, 2026-12-05 (ai)). The forward alone gained nothing a rule could
-    follow: padded fused 0.65-1.58x XLA there over three runs, padded XLA 0.84-1.11x."""
+    """The "auto" rule for a bfloat16 or float16 layer whose K or N is not a multiple of 8
+    and that a fused call would pad (1024 rows or more, M*N*K >= 2**32:
+    ``_primitive.fast_rows``), where ``_auto_fuses`` does not fuse it (below its size floor,
+    or without an activation): XLA's own expression on the padded operands, forward and
+    derivatives (``_with_xla_derivatives``). XLA's kernels for unaligned rows are slow:
+    fwd+bwd so padded read 1.93-1.96x XLA at 4096x1024->1025 and 1.36-1.39x at
+    1024x1024->4097 (GELU, H200 and H100, 2026-12-05 (ai)); without an activation, on an
+    H100 (2026-12-06 (ak)), the padded forward read 1.31-2.08x XLA at 1024-8192 rows and
+    fwd+bwd 1.30-2.68x, and with GELU or ReLU below the fused floor the padded forward
+    1.31-1.46x (where the padded fused kernel read 0.86-1.28x)."""
     if not known_sizes(m, n, k):
         return False
-    return (
-        activation is not None and dtype in _AUTO_DTYPES
-        and not aligned_rows(n, k, dtype) and fast_rows(m, n, k, dtype)
-    )  # fmt: skip
+    return dtype in _AUTO_DTYPES and not aligned_rows(n, k, dtype) and fast_rows(m, n, k, dtype)
 
 
 def _plain(x, kernel, bias, config: _Config):
@@ -335,14 +335,14 @@ def _plain(x, kernel, bias, config: _Config):
 @functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4))
 def _with_xla_derivatives(x, kernel, bias, config: _Config, fused: bool):
     """The layer's value where only the value is needed: the fused kernel (``fused``) or
-    XLA's own expression. Differentiated, in either mode, the plain expression with its
-    own derivatives, on padded rows where K or N is unaligned on a large layer
-    (``_plain_on_padded_rows``): under ``jax.grad`` XLA's autodiff (measured faster for
-    fwd+bwd), and forward mode (``jax.jvp``, ``jax.jacfwd``, ``jax.hessian``) as for any
-    jnp code."""
+    XLA's own expression, both on padded rows where K or N is unaligned on a large layer
+    (``_plain_on_padded_rows``). Differentiated, in either mode, the plain expression with
+    its own derivatives, on those rows: under ``jax.grad`` XLA's autodiff (measured faster
+    for fwd+bwd), and forward mode (``jax.jvp``, ``jax.jacfwd``, ``jax.hessian``) as for
+    any jnp code."""
     if fused:
         return _forward(x, kernel, bias, config, with_aux=False)[0]
-    return _plain(x, kernel, bias, config)
+    return _plain_on_padded_rows(x, kernel, bias, config)
 
 
 def _xd_jvp(config: _Config, fused: bool, primals, tangents):

@@ -21,7 +21,7 @@ from ._epilogs import (
     known_sizes,
     valid_compute_types,
 )
-from ._primitive import aligned_rows, fast_rows, fused_matmul, fused_weight_grad, padded_layer
+from ._primitive import aligned_rows, fast_rows, fused_matmul, fused_weight_grad, on_padded_rows, padded_layer
 from ._sharding import like
 
 __all__ = ["fused_dense"]
@@ -221,7 +221,7 @@ def fused_dense(
             impl = "cublaslt"
         elif _auto_fuses(act, dtype, m, n, k):
             impl = "fused forward"
-        elif _auto_pads(act, dtype, m, n, k):
+        elif _auto_pads(dtype, m, n, k):
             impl = "xla on padded rows"
         else:
             impl = "xla"
@@ -311,7 +311,7 @@ def _auto_fuses(activation: Activation | None, dtype: str, m: int, n: int, k: in
     )  # fmt: skip
 
 
-def _auto_pads(activation: Activation | None, dtype: str, m: int, n: int, k: int) -> bool:
+def _auto_pads(dtype: str, m: int, n: int, k: int) -> bool:
     """The "auto" rule for a bfloat16 or float16 layer whose K or N is not a multiple of 8
     and that a fused call would pad (1024 rows or more, M*N*K >= 2**32:
     ``_primitive.fast_rows``), where ``_auto_fuses`` does not fuse it (below its size floor,
@@ -367,7 +367,7 @@ def _plain_on_padded_rows(x, kernel, bias, config: _Config):
     and its autodiff run their GEMMs on aligned rows, as fast as on the next aligned
     shape. XLA's kernels for unaligned rows are slow too: 245-311 µs at 8192x1024->4097
     and 8192x1020->4096 against 107-170 at 8192x1024->4096 (H100, 2026-12-05 (ah))."""
-    return _plain(*padded_layer(x, kernel, bias), config)[..., : kernel.shape[1]]  # (no op unpadded)
+    return on_padded_rows(functools.partial(_plain, config=config), x, kernel, bias)
 
 
 _with_xla_derivatives.defjvp(_xd_jvp, symbolic_zeros=True)

@@ -36,7 +36,7 @@ from ._dense import (
     layer_grads,
 )
 from ._epilogs import Activation, ComputeType, aux_padded_width, known_sizes
-from ._primitive import fast_rows, fused_gelu_input_grad, fused_matmul, padded_layer
+from ._primitive import fast_rows, fused_gelu_input_grad, fused_matmul, on_padded_rows
 from ._sharding import like
 
 __all__ = ["fused_mlp"]
@@ -273,7 +273,7 @@ def _layer_forward(h, kernel, bias, layer: _Layer):
     # XLA's expression, on the rows a fused call pads (K or N unaligned on a large layer),
     # cut back to N: XLA's GEMMs on unaligned rows are slow as well (_plain_on_padded_rows).
     tf32 = layer.compute_type is ComputeType.COMPUTE_32F_FAST_TF32
-    z = _reference.plain_preactivation(*padded_layer(h, kernel, bias), tf32)[..., : kernel.shape[1]]
+    z = on_padded_rows(lambda *operands: _reference.plain_preactivation(*operands, tf32), h, kernel, bias)
     y = _reference.activate(z, act).astype(h.dtype)
     if act is not Activation.GELU:
         return y, None  # ReLU's derivative is read from y > 0

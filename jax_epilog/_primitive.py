@@ -336,6 +336,12 @@ def padded_layer(x, kernel, bias):
     return pad_to(x, k_rows), pad_to(kernel, k_rows, n_rows), None if bias is None else pad_to(bias, n_rows)
 
 
+def on_padded_rows(f, x, kernel, bias):
+    """``f(x, kernel, bias)`` on the operands ``padded_layer`` pads, its result cut back to
+    N columns (as given, and uncut, where nothing pads)."""
+    return f(*padded_layer(x, kernel, bias))[..., : kernel.shape[1]]
+
+
 def _cut_to(value, *sizes):
     """``value``'s leading block of ``sizes`` in its last dimensions (undoes ``pad_to``)."""
     lead = value.ndim - len(sizes)

@@ -1,10 +1,12 @@
 """Shared test helpers: activations and dtypes by name (test_grad.py), ReLU's derivative
 from the op's own mask near the kink (test_grad.py, test_gpu.py), and comparing a fused
-layer with its Flax twin (test_linen.py, test_nnx.py). No Flax import here."""
+layer with its Flax twin (test_linen.py, test_nnx.py), the GEMMs in a jaxpr (test_mlp.py,
+test_bench_suite.py). No Flax import here."""
 
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -144,3 +146,9 @@ def assert_relatively_close(got, want, tol: float, what: str) -> None:
     want = np.asarray(want, np.float64)
     err = np.abs(np.asarray(got, np.float64) - want).max() / np.abs(want).max()
     assert err <= tol, f"{what}: largest error {err:.3g} of the largest entry > {tol}"
+
+
+def dot_shapes(f, *args) -> list[tuple[int, ...]]:
+    """The result shapes of f's dot_general ops (XLA's GEMMs) in its jaxpr, in order."""
+    found = re.findall(r"\w+\[([\d,]+)\] = dot_general", str(jax.make_jaxpr(f)(*args)))
+    return [tuple(map(int, shape.split(","))) for shape in found]

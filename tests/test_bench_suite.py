@@ -2,7 +2,6 @@
 
 import contextlib
 import json
-import re
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -14,6 +13,8 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ under plain `pytest` too
+from helpers import dot_shapes
+
 from benchmarks import run
 from benchmarks.run import Case
 
@@ -1017,8 +1018,7 @@ def test_row_padding_probe_contenders_agree_and_pad_on_cpu(rng, monkeypatch, tmp
             for g, w in zip(got, want, strict=True):
                 scale = float(np.max(np.abs(w)))
                 np.testing.assert_allclose(np.asarray(g, np.float32), w, atol=3e-2 * scale, err_msg=f"{mode} {contender}")
-        jaxpr = str(jax.make_jaxpr(row_padding.program(case, "xla_padded"))(*args))
-        widths = [int(shape.split(",")[-1]) for shape in re.findall(r"\[([\d,]+)\] = dot_general", jaxpr)]
+        widths = [shape[-1] for shape in dot_shapes(row_padding.program(case, "xla_padded"), *args)]
         assert widths and all(w % 8 == 0 for w in widths), (mode, widths)
     monkeypatch.undo()
     row_padding.main(["--case", "24", "9", "11", activation, "--modes", "fwd", "fwd+bwd", "--out", str(tmp_path)])

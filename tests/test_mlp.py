@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import functools
 import itertools
-import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import ON_GPU, act_fn, assert_near, assert_relatively_close, np_dtype
+from helpers import ON_GPU, act_fn, assert_near, assert_relatively_close, dot_shapes, np_dtype
 from jax.test_util import check_grads
 
 from jax_epilog import _mlp as mlp_module
@@ -394,12 +393,6 @@ def test_auto_rules_need_rows_the_calls_can_pad(rows, widths, activations, fused
     assert "jax_epilog_" in _ops(grad, *aligned)
 
 
-def _dot_shapes(f, *args) -> list[tuple[int, ...]]:
-    """The result shapes of f's dot_general ops (XLA's GEMMs), in order."""
-    found = re.findall(r"\w+\[([\d,]+)\] = dot_general", _ops(f, *args))
-    return [tuple(map(int, shape.split(","))) for shape in found]
-
-
 @pytest.mark.parametrize("implementation", ["auto", "cublaslt"])
 def test_linked_block_runs_its_xla_gemms_on_padded_rows(implementation):
     """In a linked block whose layers are large enough for their calls to pad K and N
@@ -412,9 +405,9 @@ def test_linked_block_runs_its_xla_gemms_on_padded_rows(implementation):
     mlp = functools.partial(fused_mlp, activations=("gelu", None), implementation=implementation)
     grad = jax.grad(lambda x, layers: jnp.sum(mlp(x, layers).astype(jnp.float32)), argnums=(0, 1))
     assert "jax_epilog_fused_gelu_input_grad" in _ops(grad, x, layers)
-    forward = _dot_shapes(mlp, x, layers)
+    forward = dot_shapes(mlp, x, layers)
     assert forward == ([(8192, 1024)] if implementation == "auto" else []), forward
-    shapes = _dot_shapes(grad, x, layers)
+    shapes = dot_shapes(grad, x, layers)
     assert len(shapes) > len(forward) and all(d % 8 == 0 for shape in shapes for d in shape[-2:]), shapes
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -77,11 +78,6 @@ def knobs(**values):
             setattr(_primitive, name, value)
 
 
-def on_padded_rows(fwd):
-    """``fwd(x, w, b)`` on the rows a fused call pads, cut back to N columns."""
-    return lambda x, w, b: fwd(*_primitive.padded_layer(x, w, b))[..., : w.shape[1]]
-
-
 def loss(case: run.Case, y):
     y = y.astype(jnp.float32)
     return jnp.sum(y * y) if case.activation == "none" else jnp.sum(y)
@@ -92,7 +88,8 @@ def program(case: run.Case, contender: str):
     if case.mode != "mlp":
         names = {"padded": "jax_epilog", "unpadded": "jax_epilog", "auto": "jax_epilog_auto", "xla_padded": "xla"}
         fwd = run.jax_program(case._replace(mode="fwd"), names.get(contender, contender))
-        fwd = on_padded_rows(fwd) if contender == "xla_padded" else fwd
+        if contender == "xla_padded":
+            fwd = functools.partial(_primitive.on_padded_rows, fwd)
         if case.mode == "fwd":
             return fwd
         return jax.grad(lambda x, w, b: loss(case, fwd(x, w, b)), argnums=(0, 1, 2))
@@ -102,8 +99,8 @@ def program(case: run.Case, contender: str):
     def mlp_loss(x, w, b):  # two layers, K -> N -> K, the second's kernel the first's transposed
         layers = [(w, b), (w.T, None)]
         if contender == "xla_padded":
-            h = on_padded_rows(lambda x, w, b: act(x @ w + b))(x, w, b)
-            y = on_padded_rows(lambda x, w, b: x @ w)(h, w.T, None)
+            h = _primitive.on_padded_rows(lambda x, w, b: act(x @ w + b), x, w, b)
+            y = _primitive.on_padded_rows(lambda x, w, b: x @ w, h, w.T, None)
         else:
             activation = None if case.activation == "none" else case.activation
             y = fused_mlp(x, layers, [activation, None], implementation=impl)

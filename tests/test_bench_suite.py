@@ -1026,3 +1026,31 @@ def test_row_padding_probe_contenders_agree_and_pad_on_cpu(rng, monkeypatch, tmp
     assert [(r["shape"], r["mode"]) for r in rows] == [("24x9->11", "fwd"), ("24x9->11", "fwd+bwd")]
     assert all(r[f"{c}_us"] > 0 for r in rows for c in row_padding.CONTENDERS)
     assert "| XLA/padded | XLA/auto | XLA/XLA padded | unpadded/padded |" in capsys.readouterr().out
+
+
+def test_pad_width_probe_pads_to_each_width_and_agrees_on_cpu(rng, tmp_path, capsys):
+    """benchmarks.probes.pad_width: at each row width every kind computes the plain
+    expression's forward and gradients, "xla@W"'s GEMMs run on rows of whole W bytes (K
+    and N odd, 9-39), and the probe writes a row per case with every contender."""
+    from benchmarks.probes import pad_width
+    from benchmarks.probes.row_padding import knobs
+
+    m, k, n = (int(v) | 1 for v in rng.integers(9, 40, size=3))
+    for mode in ("fwd", "fwd+bwd"):
+        case = Case(m, k, n, "bfloat16", "bfloat16", "gelu", mode)
+        args = run.Inputs(case).jax()[0]
+        want = [np.asarray(a, np.float32) for a in jax.tree.leaves(jax.jit(pad_width.program(case, "plain"))(*args))]
+        for width in (16, 64):
+            with knobs(_ROW_BYTES=width, _PAD_MIN_ROWS=0, _PAD_MIN_WORK=0):
+                for kind in pad_width.KINDS:
+                    got = jax.tree.leaves(jax.jit(pad_width.program(case, kind))(*args))
+                    for g, w in zip(got, want, strict=True):
+                        scale = float(np.max(np.abs(w)))
+                        np.testing.assert_allclose(np.asarray(g, np.float32), w, atol=3e-2 * scale, err_msg=f"{kind}@{width}")
+                widths = [shape[-1] for shape in dot_shapes(pad_width.program(case, "xla"), *args)]
+            assert widths and all(w % (width // 2) == 0 for w in widths), (mode, width, widths)
+    pad_width.main(["--case", "24", "9", "11", "relu", "fwd", "--widths", "16", "64", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "pad_width.json").read_text())["rows"]
+    assert [(r["shape"], r["mode"]) for r in rows] == [("24x9->11", "fwd")]
+    assert sorted(rows[0]) == sorted(["shape", "activation", "mode", "xla_us"] + [f"{c}@{w}_us" for w in (16, 64) for c in pad_width.KINDS])
+    assert "| fused@16 µs | auto@16 µs | xla@16 µs | fused@64 µs |" in capsys.readouterr().out

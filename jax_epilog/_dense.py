@@ -21,7 +21,15 @@ from ._epilogs import (
     known_sizes,
     valid_compute_types,
 )
-from ._primitive import aligned_rows, fast_rows, fused_matmul, fused_weight_grad, on_padded_rows, padded_layer
+from ._primitive import (
+    aligned_rows,
+    fast_rows,
+    fused_matmul,
+    fused_weight_grad,
+    on_padded_rows,
+    padded_layer,
+    pads_n,
+)
 from ._sharding import like
 
 __all__ = ["fused_dense"]
@@ -153,7 +161,8 @@ def fused_dense(
         COMPUTE_32F_FAST_TF32, COMPUTE_64F, or a ``_PEDANTIC`` form of the first or last).
         ``"auto"``: whichever measured faster on the H200 (benchmarks/README.md):
         cuBLASLt for the forward of large bfloat16 and float16 GELU and ReLU layers
-        (M >= 1024 rows and M*N*K >= 2**33) and for anything the XLA expression cannot
+        (M >= 1024 rows and M*N*K >= 2**33; not ReLU where N is not a multiple of 8,
+        see below) and for anything the XLA expression cannot
         reproduce (``return_aux=True``, 16-bit compute types); XLA's own expression and
         autodiff otherwise (no activation, small layers, float32), and always for the
         backward pass, where XLA's own autodiff measured at least as fast as the backward
@@ -166,8 +175,9 @@ def fused_dense(
         are as slow on unaligned rows, so on such layers the backward's GEMMs run on the
         padded rows too: "cublaslt"'s, and "auto"'s, which differentiates XLA's
         expression on the padded operands, from the padding's size floor on (in
-        bfloat16 and float16; below "auto"'s fused floor, and without an activation,
-        the forward too is XLA's expression on the padded operands).
+        bfloat16 and float16; below "auto"'s fused floor, without an activation, and
+        for ReLU where N pads, the forward too is XLA's expression on the padded
+        operands).
 
     Returns:
       ``y`` of shape (..., N) in ``x``'s dtype, or ``(y, aux)`` with ``return_aux=True``.
@@ -219,7 +229,7 @@ def fused_dense(
         # kernel's forward with XLA's derivatives; everything else is XLA's expression.
         if return_aux or ct not in _XLA_COMPUTE_TYPES:
             impl = "cublaslt"
-        elif _auto_fuses(act, dtype, m, n, k):
+        elif _auto_fuses_alone(act, dtype, m, n, k):
             impl = "fused forward"
         elif _auto_pads(dtype, m, n, k):
             impl = "xla on padded rows"
@@ -302,13 +312,30 @@ def _auto_fuses(activation: Activation | None, dtype: str, m: int, n: int, k: in
     cuBLASLt's TF32 GELU kernel took 318 µs, XLA's GEMM and GELU pass 301).
     K or N not a multiple of 8: such layers are large enough for the call to pad its rows
     (``_primitive.fast_rows``); unpadded, cuBLASLt's kernels for them measured 0.08-0.87x
-    XLA, padded 1.38-2.43x at 8192 rows (H100, 2026-12-05 (ah))."""
+    XLA, padded 1.38-2.43x at 8192 rows (H100, 2026-12-05 (ah)); but see
+    ``_auto_fuses_alone``."""
     if not known_sizes(m, n, k):
         return False
     return (
         activation is not None and dtype in _AUTO_DTYPES and m >= 1024 and m * n * k >= 2**33
         and fast_rows(m, n, k, dtype)
     )  # fmt: skip
+
+
+def _auto_fuses_alone(activation: Activation | None, dtype: str, m: int, n: int, k: int) -> bool:
+    """The "auto" rule for ``fused_dense``'s forward: ``_auto_fuses``, except a ReLU layer
+    whose N the call pads, which runs XLA's expression on the same padded rows
+    (``_auto_pads``). That took 1/1.08-1/1.09 of the padded fused kernel's time at
+    8192x1024->4097 in five processes, 1/1.04-1/1.05 at 8192x1024->8193 and
+    1/1.13-1/1.18 at 8192x1024->1025 in two (H100, 2026-12-06 (ak), (al):
+    benchmarks/probes/row_padding.py, pad_width.py). Where only K pads (8192x1020->4096)
+    the two tied. With GELU, where N pads they were within 4% except at 8192x4096->16385
+    (the fused kernel 10% faster), and where K pads the fused kernel was 8-39% faster, so
+    GELU layers stay fused. (``fused_mlp`` keeps the fused ReLU kernel where its mask
+    serves the backward: ``_auto_fuses``.)"""
+    if not _auto_fuses(activation, dtype, m, n, k):
+        return False
+    return not (activation is Activation.RELU and pads_n(m, n, k, dtype))
 
 
 def _auto_pads(dtype: str, m: int, n: int, k: int) -> bool:

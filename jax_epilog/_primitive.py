@@ -62,6 +62,7 @@ __all__ = [
     "fused_matmul",
     "fused_weight_grad",
     "padded_layer",
+    "pads_n",
 ]
 
 
@@ -324,6 +325,11 @@ def fast_rows(m: int, n: int, k: int, dtype) -> bool:
 def aligned_rows(n: int, k: int, dtype) -> bool:
     """Whether ``dtype``'s (m, k) x and (k, n) kernel have rows 16 bytes apart as they are."""
     return _row_width(n, dtype) == n and _row_width(k, dtype) == k
+
+
+def pads_n(m: int, n: int, k: int, dtype) -> bool:
+    """Whether a fused call on ``dtype``'s (m, k) x and (k, n) kernel pads N."""
+    return _row_widths(m, n, k, dtype)[0] != n
 
 
 def padded_layer(x, kernel, bias):

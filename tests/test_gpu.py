@@ -532,7 +532,7 @@ def test_autos_fused_forward_on_leading_dimensions_matches_the_oracle(rng, monke
     from jax_epilog import _dense
     from jax_epilog._ffi import TARGET_NAME
 
-    monkeypatch.setattr(_dense, "_auto_fuses", lambda *args: True)
+    monkeypatch.setattr(_dense, "_auto_fuses_alone", lambda *args: True)
     x, w, b = _inputs(rng, 33, 129, 65, "bfloat16")
     x = x.reshape(3, 11, 129)
     layer = jax.jit(lambda x, w, b: fused_dense(x, w, b, activation=activation))

@@ -121,9 +121,11 @@ def test_auto_fuses_large_forward_passes_only(activation):
         (8192, 1024, 4096, True),
         (8191, 1024, 4096, True),  # M does not matter: no operand's rows are M wide
         (8192, 1032, 4104, True),  # multiples of 8 that are not of 16 or 128
-        (8192, 1024, 4097, True),  # rows the call pads: 1.38-2.43x XLA (H100), unpadded 0.08-0.87x
-        (8192, 1020, 4096, True),
-        (8192, 1023, 4097, True),
+        (8192, 1024, 4097, "gelu"),  # rows the call pads: 1.38-2.43x XLA (H100), unpadded 0.08-0.87x;
+        (8192, 1020, 4096, True),  # ReLU where N pads runs XLA's expression on the padded rows
+        (8192, 1023, 4097, "gelu"),
+        (8192, 1024, 8193, "gelu"),
+        (8192, 1024, 1025, "gelu"),
         (1023, 1024, 8200, False),  # fewer than 1024 rows
         (1024, 1024, 4096, False),  # M*N*K = 2**32 < 2**33, aligned
         # Below 2**33 "auto" runs XLA's expression on the rows a fused call would pad
@@ -139,7 +141,10 @@ def test_auto_fuses_large_layers_whatever_their_row_widths(m, k, n, fused, activ
     """K and N need not be multiples of 8 for "auto" to fuse a large layer: the call pads
     them (test_lowering.py); below the fused size floor "auto"'s forward and gradient are
     the user's program on rows padded likewise (and without padding, the user's program);
-    "cublaslt" runs the fused kernel at every size."""
+    "cublaslt" runs the fused kernel at every size. A ReLU layer whose N pads ("gelu":
+    only GELU fuses) runs XLA's expression on the padded rows too."""
+    if fused == "gelu":
+        fused = True if activation == "gelu" else "padded"
     args = [jax.ShapeDtypeStruct(s, dtype) for s in ((m, k), (k, n), (n,))]
     f = functools.partial(fused_dense, activation=activation)
     assert (FUSED in _jaxpr(f, *args)) == (fused is True)
@@ -227,7 +232,7 @@ def test_auto_fused_forward_with_xla_derivatives(rng, activation, monkeypatch, p
     and forward mode (jvp, jacfwd, hessian) as the plain expression has it; ``padded``:
     with the size floor of padding lowered, so that the derivatives' expression runs on
     rows padded from K = 17, N = 9 to 20 and 12 (float32), with the same values."""
-    monkeypatch.setattr(_dense, "_auto_fuses", lambda activation, dtype, m, n, k: True)
+    monkeypatch.setattr(_dense, "_auto_fuses_alone", lambda activation, dtype, m, n, k: True)
     if padded:
         monkeypatch.setattr(_primitive, "_PAD_MIN_ROWS", 0)
         monkeypatch.setattr(_primitive, "_PAD_MIN_WORK", 0)

@@ -225,7 +225,7 @@ def test_autos_fused_forward_folds_its_leading_dimensions_in_the_lowering(cublas
     """x of shape (3, 11, K) reaches "auto"'s fused forward whole (so that each device folds
     its own rows): the lowering folds the rows around one call of m = 33 rows (per member
     for an ensemble's batched call) and unfolds y after."""
-    monkeypatch.setattr(jax_epilog._dense, "_auto_fuses", lambda *args: True)
+    monkeypatch.setattr(jax_epilog._dense, "_auto_fuses_alone", lambda *args: True)
     x, w, b = _args(jnp.bfloat16)
     x = jnp.ones((3, 11, x.shape[1]), x.dtype)
     layer = functools.partial(fused_dense, activation="gelu")

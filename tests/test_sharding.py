@@ -817,7 +817,7 @@ def test_auto_fused_forward_keeps_a_split_sequence(rng, seen, monkeypatch, parti
     collective, y split as the expression's, the same gradients (before, x was folded into
     rows by a reshape that XLA partitioned first: it gathered the sequence, and every
     device computed all of its batch's rows)."""
-    monkeypatch.setattr(jax_epilog._dense, "_auto_fuses", lambda *args: True)  # (a small layer, fused)
+    monkeypatch.setattr(jax_epilog._dense, "_auto_fuses_alone", lambda *args: True)  # (a small layer, fused)
     m = mesh((2, 2), ("data", "seq"))
     x, w, b = rng.standard_normal((4, 8, 10)), *operands(rng, 1, 10, 16)[1:]
     args = (put(m, x, *spec), put(m, w), put(m, b))

@@ -241,12 +241,18 @@ def test_auto_fused_forward_with_xla_derivatives(rng, activation, monkeypatch, p
     assert FUSED in _jaxpr(f, x, w, b)
     grad_jaxpr = _jaxpr(jax.grad(lambda *a: jnp.sum(f(*a) ** 2), argnums=(0, 1, 2)), x, w, b)
     assert ("f32[20,12]" in grad_jaxpr) == padded and ("f32[17,9]" in grad_jaxpr)
+
+    def near(got, want, tol):  # padded, float32 sums of 20 terms in another order: 1e-5 of the largest
+        want = np.asarray(want)
+        atol = 1e-5 * max(1.0, float(np.abs(want).max())) if padded else tol
+        np.testing.assert_allclose(np.asarray(got), want, rtol=tol, atol=atol)
+
     op = fused_dense(x, w, b, activation=activation, implementation="cublaslt")
     np.testing.assert_array_equal(np.asarray(f(x, w, b)), np.asarray(op))
     grads = jax.grad(lambda *a: jnp.sum(f(*a) ** 2), argnums=(0, 1, 2))(x, w, b)
     want = jax.grad(lambda *a: jnp.sum(_plain(*a, activation) ** 2), argnums=(0, 1, 2))(x, w, b)
     for g, r in zip(grads, want):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-5)
+        near(g, r, 1e-5)
     # No bias, and leading dimensions.
     xs = x.reshape(3, 11, 17)
     g = jax.grad(lambda x: jnp.sum(f(x, w) ** 2))(xs)
@@ -257,12 +263,6 @@ def test_auto_fused_forward_with_xla_derivatives(rng, activation, monkeypatch, p
     plain = functools.partial(_plain, activation=activation)
     tangents = tuple(jnp.asarray(rng.standard_normal(a.shape), a.dtype) for a in (x, w, b))
     (y, dy), (y_ref, dy_ref) = (jax.jvp(g, (x, w, b), tangents) for g in (f, plain))
-
-    def near(got, want, tol):  # padded, float32 sums of 20 terms in another order: 1e-5 of the largest
-        want = np.asarray(want)
-        atol = 1e-5 * max(1.0, float(np.abs(want).max())) if padded else tol
-        np.testing.assert_allclose(np.asarray(got), want, rtol=tol, atol=atol)
-
     near(y, y_ref, 0)
     near(dy, dy_ref, 1e-6)
     for got, want in zip(jax.jacfwd(f, argnums=(1, 2))(x, w, b), jax.jacfwd(plain, argnums=(1, 2))(x, w, b)):

@@ -284,16 +284,26 @@ def _forward_spec(avals, *, activation, with_aux, compute_type, d_dtype, out_dty
 # of 2**30 and less (1000x1000->1003, 256x784->100), where both lost to XLA or tied. So
 # calls with at least _PAD_MIN_ROWS rows and M*N*K (times the members) of _PAD_MIN_WORK
 # pad; fewer rows read the kernel, which padding copies, for little arithmetic.
+# A forward without an aux pads N further, to _WIDE_ROW_BYTES: cuBLASLt's kernels at 4104
+# columns (4097 padded to 16 bytes) were about 20 µs slower than at 4224, which ran as fast
+# as 4096, and 128-byte rows took the padded GELU forward from 194 to 174 µs at
+# 8192x1024->4097, 364-370 to 319 at 8192x1024->8193 and 509-513 to 493 at 8192x4096->4100
+# in two processes (H100, 2026-12-06 (al), benchmarks/probes/pad_width.py); at 1025 and
+# 2049 columns it changed nothing. Narrower N keeps 16 bytes (the wider rows would add more
+# than 1/16 of the columns, unmeasured), and so does a forward with an aux: the GELU aux's
+# layout is round_up(N, 8) wide.
 # _ROW_BYTES = 1 turns the padding off (for probes).
 _ROW_BYTES = 16
+_WIDE_ROW_BYTES = 128
+_WIDE_MIN_N = 1024
 _PAD_MIN_ROWS = 1024
 _PAD_MIN_WORK = 2**32
 
 
-def _row_width(width: int, dtype) -> int:
-    """``width`` rounded up to whole ``_ROW_BYTES`` of ``dtype``: the width a fused call's
-    matrices have for a row of ``width`` elements."""
-    multiple = max(1, _ROW_BYTES // np.dtype(dtype).itemsize)
+def _row_width(width: int, dtype, row_bytes: int | None = None) -> int:
+    """``width`` rounded up to whole ``row_bytes`` (default ``_ROW_BYTES``) of ``dtype``:
+    the width a fused call's matrices have for a row of ``width`` elements."""
+    multiple = max(1, (row_bytes or _ROW_BYTES) // np.dtype(dtype).itemsize)
     return -(-width // multiple) * multiple
 
 
@@ -306,8 +316,11 @@ def _row_widths(m: int, n: int, k: int, dtype, members: int = 1) -> tuple[int, i
 
 
 def _padded_rows(spec: EpilogSpec) -> EpilogSpec:
-    """``spec`` with its row widths (N and K) as the fused call has them (``_row_widths``)."""
+    """``spec`` with its row widths (N and K) as the fused call has them (``_row_widths``;
+    a padded N of at least ``_WIDE_MIN_N`` in a forward without aux: ``_WIDE_ROW_BYTES``)."""
     n, k = _row_widths(spec.m, spec.n, spec.k, spec.ab_dtype, spec.members)
+    if n != spec.n and spec.n >= _WIDE_MIN_N and spec.problem == "forward" and not spec.has_aux:
+        n = _row_width(spec.n, spec.ab_dtype, _WIDE_ROW_BYTES)
     return spec._replace(n=n, k=k)
 
 

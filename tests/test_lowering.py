@@ -24,7 +24,7 @@ from jax_epilog import (
     fused_dense,
     fused_mlp,
 )
-from jax_epilog._epilogs import Activation, ComputeType
+from jax_epilog._epilogs import Activation, ComputeType, EpilogSpec
 from jax_epilog._sharding import partitioned_lowering
 
 TARGET = "jax_epilog_fused_matmul"
@@ -426,13 +426,15 @@ def test_fused_calls_pad_row_widths_and_slice_their_results(rng, monkeypatch, cu
     """With K = 29 and N = 65 (rows not 16 bytes apart), and padding asked for at any size,
     every custom call gets operands
     padded with zeros to whole 16-byte rows (the forward's, BGRADA's, fused_mlp's DGELU
-    and an ensemble's batched call), and the layer's values, aux and gradients equal those
+    and an ensemble's batched call; a forward without aux pads N to 128 bytes, one with
+    an aux to 16), and the layer's values, aux and gradients equal those
     of the same calls made unpadded (``_ROW_BYTES = 1``). The custom call runs its
     reference math here, on the CPU, and checks its operands' shapes."""
     seen: list = []
     monkeypatch.setattr(_primitive._ffi, "call", functools.partial(_reference_call, seen))
     monkeypatch.setattr(_primitive, "_PAD_MIN_ROWS", 0)
     monkeypatch.setattr(_primitive, "_PAD_MIN_WORK", 0)
+    monkeypatch.setattr(_primitive, "_WIDE_MIN_N", 0)
     multiple = 16 // np.dtype(jnp.dtype(dtype)).itemsize
     x = jnp.asarray(rng.standard_normal((3, 11, 29)), dtype)
     w = jnp.asarray(rng.standard_normal((29, 65)) / 6, dtype)
@@ -455,6 +457,9 @@ def test_fused_calls_pad_row_widths_and_slice_their_results(rng, monkeypatch, cu
     padded = results()
     assert {(s.problem, s.members > 1) for s in seen} == {("forward", False), ("forward", True), ("wgrad", False), ("dgrad", False)}
     assert all(s.n % multiple == 0 and s.k % multiple == 0 for s in seen)
+    forwards = {(s.has_aux, s.n) for s in seen if s.problem == "forward"}
+    assert (True, -(-65 // multiple) * multiple) in forwards and (False, -(-65 // (8 * multiple)) * 8 * multiple) in forwards
+    assert all(n % (8 * multiple) == 0 or aux or n == 6 for aux, n in forwards), forwards  # (6: fused_mlp's last)
     seen.clear()
     monkeypatch.setattr(_primitive, "_ROW_BYTES", 1)
     unpadded = results()
@@ -471,20 +476,46 @@ def test_fused_calls_pad_row_widths_and_slice_their_results(rng, monkeypatch, cu
     assert_near(padded[2]["gelu"][..., :65], unpadded[2]["gelu"][..., :65], TOL[dtype], "GELU aux")
 
 
+@pytest.mark.parametrize("return_aux", [False, True])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("m,pads", [(8192, True), (1024, False), (512, False)])
-def test_only_large_problems_pad_their_rows(cublaslt_accepts, dtype, m, pads):
+def test_only_large_problems_pad_their_rows(cublaslt_accepts, dtype, m, pads, return_aux):
     """K = 1020 and N = 4097 go to the call padded to 16-byte rows (1024 and 4104 in
-    bfloat16; 1020 and 4100 in float32), the layer's result cut back, at 8192 rows; not at
-    1024 (M*N*K just under 2**32) nor at 512 (fewer than 1024 rows; N = 16385, larger)."""
+    bfloat16; 1020 and 4100 in float32), N to 128-byte rows where the call has no aux
+    (4160; 4128), the layer's result cut back, at 8192 rows; not at 1024 (M*N*K just
+    under 2**32) nor at 512 (fewer than 1024 rows; N = 16385, larger)."""
     n = 4097 if m != 512 else 16385
-    k, n_call = {"bfloat16": (1024, n + 7), "float32": (1020, n + 3)}[dtype] if pads else (1020, n)
+    n_call = {"bfloat16": (4104, 4160), "float32": (4100, 4128)}[dtype][not return_aux] if pads else n
+    k = {"bfloat16": 1024, "float32": 1020}[dtype] if pads else 1020
     args = [jax.ShapeDtypeStruct(s, dtype) for s in ((m, 1020), (1020, n), (n,))]
-    text = _cuda_text(functools.partial(op, activation="gelu"), *args)
+    text = _cuda_text(functools.partial(op, activation="gelu", return_aux=return_aux), *args)
     (call,) = _calls(text)
     assert f"m = {m}" in call and f"n = {n_call}" in call and f"k = {k}" in call, call
-    assert call.endswith(f"-> tensor<{m}x{n_call}x{_MLIR_TYPE[dtype]}>")
-    assert f"-> tensor<{m}x{n}x{_MLIR_TYPE[dtype]}>" in text  # the user's y
+    assert f"-> tensor<{m}x{n_call}x{_MLIR_TYPE[dtype]}>" in call or f"-> (tensor<{m}x{n_call}x" in call, call
+    assert f"tensor<{m}x{n}x{_MLIR_TYPE[dtype]}>" in text  # the user's y
+
+
+@pytest.mark.parametrize(
+    "n,k,epilog,want",
+    [
+        (4097, 1020, "GELU_BIAS", (4160, 1024)),  # N to 128 bytes, K to 16
+        (4097, 1020, "GELU_AUX_BIAS", (4104, 1024)),  # the aux is round_up(N, 8) wide
+        (4097, 1020, "RELU_AUX_BIAS", (4104, 1024)),
+        (1025, 4097, "BIAS", (1088, 4104)),
+        (1001, 4096, "RELU_BIAS", (1008, 4096)),  # N < 1024: 16 bytes
+        (4096, 1020, "GELU_BIAS", (4096, 1024)),  # N aligned stays
+        (4104, 1024, "DEFAULT", (4104, 1024)),
+    ],
+)
+def test_a_forward_without_aux_pads_n_to_128_byte_rows(n, k, epilog, want):
+    """Which widths a padded bfloat16 call at 8192 rows has (``_primitive._padded_rows``):
+    K and an aux's N to 16-byte rows, the N of a forward without aux from 1024 up to 128."""
+    spec = EpilogSpec(m=8192, n=n, k=k, epilog=epilog, compute_type="COMPUTE_32F", ab_dtype="bfloat16",
+                      bias_dtype="bfloat16", d_dtype="bfloat16")  # fmt: skip
+    assert (_primitive._padded_rows(spec).n, _primitive._padded_rows(spec).k) == want
+    for problem in ("wgrad", "dgrad"):  # their widths are 16-byte rows
+        other = _primitive._padded_rows(spec._replace(problem=problem))
+        assert (other.n, other.k) == (-(-n // 8) * 8, -(-k // 8) * 8)
 
 
 _MLIR_TYPE = {"bfloat16": "bf16", "float32": "f32"}

@@ -10,7 +10,7 @@ aligned 8192x1024->4096 layer takes about 117 µs either way. This times, per ca
 row width W (bytes), interleaved (the suite's inputs and method, ``benchmarks.run``):
 
 - ``fused@W``: ``fused_dense(implementation="cublaslt")`` with K and N padded to W bytes
-  (at any size: ``_PAD_MIN_ROWS = _PAD_MIN_WORK = 0``);
+  (``_ROW_BYTES`` and ``_WIDE_ROW_BYTES``, any N; at any size: ``_PAD_MIN_ROWS = _PAD_MIN_WORK = 0``);
 - ``auto@W``: ``fused_dense``'s default with that width (what "auto" runs: fused or XLA's
   expression on the padded rows, and its derivatives there);
 - ``xla@W``: ``jax.jit`` of ``act(x @ w + b)`` on the operands padded to W bytes, cut back;
@@ -64,7 +64,7 @@ def bench(case: run.Case, widths) -> dict:
     for width in widths:
         for kind in KINDS:
             floor = {} if kind == "auto" else {"_PAD_MIN_ROWS": 0, "_PAD_MIN_WORK": 0}
-            with knobs(_ROW_BYTES=width, **floor):
+            with knobs(_ROW_BYTES=width, _WIDE_ROW_BYTES=width, _WIDE_MIN_N=0, **floor):
                 compiled[f"{kind}@{width}"] = jax.jit(program(case, kind)).lower(*sets[0]).compile()
     compiled["xla"] = jax.jit(program(case, "plain")).lower(*sets[0]).compile()
     timings = measure_interleaved(

@@ -997,6 +997,17 @@ def test_mixed_block_probe_times_gelu_and_relu_layers_in_one_block_on_cpu(rng, t
     assert "| XLA/fused_dense | XLA/fused_mlp | XLA/fused_mlp_cublaslt |" in capsys.readouterr().out
 
 
+def _values(program, args) -> list[np.ndarray]:
+    """The leaves of jitted ``program(*args)`` as float32 arrays."""
+    return [np.asarray(a, np.float32) for a in jax.tree.leaves(jax.jit(program)(*args))]
+
+
+def _assert_values(program, args, want, label):
+    """``program``'s results on ``args`` are ``want``, to 3e-2 of each one's largest entry."""
+    for got, w in zip(_values(program, args), want, strict=True):
+        np.testing.assert_allclose(got, w, atol=3e-2 * float(np.max(np.abs(w))), err_msg=label)
+
+
 @pytest.mark.parametrize("activation", ["gelu", "none"])
 def test_row_padding_probe_contenders_agree_and_pad_on_cpu(rng, monkeypatch, tmp_path, capsys, activation):
     """Every contender of benchmarks.probes.row_padding computes the same forward and
@@ -1011,13 +1022,10 @@ def test_row_padding_probe_contenders_agree_and_pad_on_cpu(rng, monkeypatch, tmp
     for mode in ("fwd", "fwd+bwd", "mlp"):
         case = Case(m, k, n, "bfloat16", "bfloat16", activation, mode)
         args = run.Inputs(case).jax()[0]
-        want = [np.asarray(a, np.float32) for a in jax.tree.leaves(jax.jit(row_padding.program(case, "xla"))(*args))]
+        want = _values(row_padding.program(case, "xla"), args)
         assert all(np.max(np.abs(w)) > 0 for w in want)
         for contender in row_padding.CONTENDERS:
-            got = jax.tree.leaves(jax.jit(row_padding.program(case, contender))(*args))
-            for g, w in zip(got, want, strict=True):
-                scale = float(np.max(np.abs(w)))
-                np.testing.assert_allclose(np.asarray(g, np.float32), w, atol=3e-2 * scale, err_msg=f"{mode} {contender}")
+            _assert_values(row_padding.program(case, contender), args, want, f"{mode} {contender}")
         widths = [shape[-1] for shape in dot_shapes(row_padding.program(case, "xla_padded"), *args)]
         assert widths and all(w % 8 == 0 for w in widths), (mode, widths)
     monkeypatch.undo()
@@ -1039,14 +1047,11 @@ def test_pad_width_probe_pads_to_each_width_and_agrees_on_cpu(rng, tmp_path, cap
     for mode in ("fwd", "fwd+bwd"):
         case = Case(m, k, n, "bfloat16", "bfloat16", "gelu", mode)
         args = run.Inputs(case).jax()[0]
-        want = [np.asarray(a, np.float32) for a in jax.tree.leaves(jax.jit(pad_width.program(case, "plain"))(*args))]
+        want = _values(pad_width.program(case, "plain"), args)
         for width in (16, 64):
             with knobs(_ROW_BYTES=width, _PAD_MIN_ROWS=0, _PAD_MIN_WORK=0):
                 for kind in pad_width.KINDS:
-                    got = jax.tree.leaves(jax.jit(pad_width.program(case, kind))(*args))
-                    for g, w in zip(got, want, strict=True):
-                        scale = float(np.max(np.abs(w)))
-                        np.testing.assert_allclose(np.asarray(g, np.float32), w, atol=3e-2 * scale, err_msg=f"{kind}@{width}")
+                    _assert_values(pad_width.program(case, kind), args, want, f"{mode} {kind}@{width}")
                 widths = [shape[-1] for shape in dot_shapes(pad_width.program(case, "xla"), *args)]
             assert widths and all(w % (width // 2) == 0 for w in widths), (mode, width, widths)
     pad_width.main(["--case", "24", "9", "11", "relu", "fwd", "--widths", "16", "64", "--out", str(tmp_path)])

@@ -170,8 +170,9 @@ def fused_dense(
         with the GPU kernel's aux layout).
         Where K or N is not a multiple of 8 elements (of 4 in float32), on 1024 rows or
         more with M*N*K >= 2**32, the GPU call pads them with zeros to whole 16-byte rows
-        and cuts its results back: cuBLASLt's kernels for other rows measured up to 18x
-        slower (H100, benchmarks/README.md). The values are the same sums. XLA's GEMMs
+        (N of 1024 or more to 128-byte rows in a forward without aux) and cuts its results
+        back: cuBLASLt's kernels for other rows measured up to 18x slower (H100,
+        benchmarks/README.md). The values are the same sums. XLA's GEMMs
         are as slow on unaligned rows, so on such layers the backward's GEMMs run on the
         padded rows too: "cublaslt"'s, and "auto"'s, which differentiates XLA's
         expression on the padded operands, from the padding's size floor on (in
@@ -325,14 +326,17 @@ def _auto_fuses(activation: Activation | None, dtype: str, m: int, n: int, k: in
 def _auto_fuses_alone(activation: Activation | None, dtype: str, m: int, n: int, k: int) -> bool:
     """The "auto" rule for ``fused_dense``'s forward: ``_auto_fuses``, except a ReLU layer
     whose N the call pads, which runs XLA's expression on the same padded rows
-    (``_auto_pads``). That took 1/1.08-1/1.09 of the padded fused kernel's time at
-    8192x1024->4097 in five processes, 1/1.04-1/1.05 at 8192x1024->8193 and
-    1/1.13-1/1.18 at 8192x1024->1025 in two (H100, 2026-12-06 (ak), (al):
-    benchmarks/probes/row_padding.py, pad_width.py). Where only K pads (8192x1020->4096)
-    the two tied. With GELU, where N pads they were within 4% except at 8192x4096->16385
-    (the fused kernel 10% faster), and where K pads the fused kernel was 8-39% faster, so
-    GELU layers stay fused. (``fused_mlp`` keeps the fused ReLU kernel where its mask
-    serves the backward: ``_auto_fuses``.)"""
+    (``_auto_pads``): the padded fused kernel took 1.08-1.09x as long as that at
+    8192x1024->4097 in six processes, 1.04-1.06x at 8192x1024->8193 in three and
+    1.13-1.18x at 8192x1024->1025 in two (H100, 2026-12-06 (ak), (al):
+    benchmarks/probes/row_padding.py, pad_width.py), N padded to 16-byte rows. Since the
+    fused forward pads N to 128-byte rows (``_primitive._WIDE_ROW_BYTES``) it took 1.01-1.02x
+    as long at 8192x1024->4097 (two processes) and, at 128-byte rows in pad_width,
+    0.96x at 8192x1024->8193: about a tie, which "auto" leaves to XLA's program. Where only
+    K pads (8192x1020->4096) the two tied. GELU layers stay fused: with N padded to 128-byte
+    rows XLA's padded expression took 1.09-1.12x as long as the fused kernel at
+    8192x1024->4097 and 8192x1024->8193, and where K pads 1.08-1.39x. (``fused_mlp`` keeps
+    the fused ReLU kernel where its mask serves the backward: ``_auto_fuses``.)"""
     if not _auto_fuses(activation, dtype, m, n, k):
         return False
     return not (activation is Activation.RELU and pads_n(m, n, k, dtype))
@@ -341,9 +345,9 @@ def _auto_fuses_alone(activation: Activation | None, dtype: str, m: int, n: int,
 def _auto_pads(dtype: str, m: int, n: int, k: int) -> bool:
     """The "auto" rule for a bfloat16 or float16 layer whose K or N is not a multiple of 8
     and that a fused call would pad (1024 rows or more, M*N*K >= 2**32:
-    ``_primitive.fast_rows``), where ``_auto_fuses`` does not fuse it (below its size floor,
-    or without an activation): XLA's own expression on the padded operands, forward and
-    derivatives (``_with_xla_derivatives``). XLA's kernels for unaligned rows are slow:
+    ``_primitive.fast_rows``), where ``_auto_fuses_alone`` does not fuse it (below its size
+    floor, without an activation, or ReLU where N pads): XLA's own expression on the padded
+    operands, forward and derivatives (``_with_xla_derivatives``). XLA's kernels for unaligned rows are slow:
     fwd+bwd so padded read 1.93-1.96x XLA at 4096x1024->1025 and 1.36-1.39x at
     1024x1024->4097 (GELU, H200 and H100, 2026-12-05 (ai)); without an activation, on an
     H100 (2026-12-06 (ak)), the padded forward read 1.31-2.08x XLA at 1024-8192 rows and

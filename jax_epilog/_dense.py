@@ -170,9 +170,9 @@ def fused_dense(
         with the GPU kernel's aux layout).
         Where K or N is not a multiple of 8 elements (of 4 in float32), on 1024 rows or
         more with M*N*K >= 2**32, the GPU call pads them with zeros to whole 16-byte rows
-        (N of 1024 or more to 128-byte rows in a forward without aux) and cuts its results
-        back: cuBLASLt's kernels for other rows measured up to 18x slower (H100,
-        benchmarks/README.md). The values are the same sums. XLA's GEMMs
+        (a half-precision N of 1024 or more to 128-byte rows in a forward without aux)
+        and cuts its results back: cuBLASLt's kernels for other rows measured up to 18x
+        slower (H100, benchmarks/README.md). The values are the same sums. XLA's GEMMs
         are as slow on unaligned rows, so on such layers the backward's GEMMs run on the
         padded rows too: "cublaslt"'s, and "auto"'s, which differentiates XLA's
         expression on the padded operands, from the padding's size floor on (in

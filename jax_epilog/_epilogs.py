@@ -134,8 +134,8 @@ class EpilogSpec(NamedTuple):
     """Everything that fixes one cuBLASLt problem, in the GPU's column-major terms.
 
     ``m``, ``n``, ``k`` are the GEMM's sizes: the layer's, x (m, k) and kernel (k, n),
-    with N and K padded to whole 16-byte rows where the call pads its operands (an N of
-    1024 or more in a forward without aux to 128-byte rows: ``_primitive._padded_rows``).
+    with N and K padded to whole 16-byte rows where the call pads its operands (a half
+    N of 1024 or more in a forward without aux to 128-byte rows: ``_primitive._padded_rows``).
     Three problems:
 
     * ``"forward"``: D[n, m] = act(A[n, k] @ B[k, m] + bias[n]) with A = kernel (row-major

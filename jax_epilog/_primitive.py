@@ -290,8 +290,8 @@ def _forward_spec(avals, *, activation, with_aux, compute_type, d_dtype, out_dty
 # 8192x1024->4097, 364-370 to 319 at 8192x1024->8193 and 509-513 to 493 at 8192x4096->4100
 # in two processes (H100, 2026-12-06 (al), benchmarks/probes/pad_width.py); at 1025 and
 # 2049 columns it changed nothing. Narrower N keeps 16 bytes (the wider rows would add more
-# than 1/16 of the columns, unmeasured), and so does a forward with an aux: the GELU aux's
-# layout is round_up(N, 8) wide.
+# than 1/16 of the columns, unmeasured), as do float32 operands (unmeasured) and a forward
+# with an aux: the GELU aux's layout is round_up(N, 8) wide.
 # _ROW_BYTES = 1 turns the padding off (for probes).
 _ROW_BYTES = 16
 _WIDE_ROW_BYTES = 128
@@ -317,9 +317,11 @@ def _row_widths(m: int, n: int, k: int, dtype, members: int = 1) -> tuple[int, i
 
 def _padded_rows(spec: EpilogSpec) -> EpilogSpec:
     """``spec`` with its row widths (N and K) as the fused call has them (``_row_widths``;
-    a padded N of at least ``_WIDE_MIN_N`` in a forward without aux: ``_WIDE_ROW_BYTES``)."""
+    a padded N of at least ``_WIDE_MIN_N`` half-precision columns in a forward without aux:
+    ``_WIDE_ROW_BYTES``)."""
     n, k = _row_widths(spec.m, spec.n, spec.k, spec.ab_dtype, spec.members)
-    if n != spec.n and spec.n >= _WIDE_MIN_N and spec.problem == "forward" and not spec.has_aux:
+    half = np.dtype(spec.ab_dtype).itemsize == 2
+    if n != spec.n and half and spec.n >= _WIDE_MIN_N and spec.problem == "forward" and not spec.has_aux:
         n = _row_width(spec.n, spec.ab_dtype, _WIDE_ROW_BYTES)
     return spec._replace(n=n, k=k)
 

@@ -426,8 +426,8 @@ def test_fused_calls_pad_row_widths_and_slice_their_results(rng, monkeypatch, cu
     """With K = 29 and N = 65 (rows not 16 bytes apart), and padding asked for at any size,
     every custom call gets operands
     padded with zeros to whole 16-byte rows (the forward's, BGRADA's, fused_mlp's DGELU
-    and an ensemble's batched call; a forward without aux pads N to 128 bytes, one with
-    an aux to 16), and the layer's values, aux and gradients equal those
+    and an ensemble's batched call; a bfloat16 forward without aux pads N to 128 bytes,
+    one with an aux to 16), and the layer's values, aux and gradients equal those
     of the same calls made unpadded (``_ROW_BYTES = 1``). The custom call runs its
     reference math here, on the CPU, and checks its operands' shapes."""
     seen: list = []
@@ -458,8 +458,9 @@ def test_fused_calls_pad_row_widths_and_slice_their_results(rng, monkeypatch, cu
     assert {(s.problem, s.members > 1) for s in seen} == {("forward", False), ("forward", True), ("wgrad", False), ("dgrad", False)}
     assert all(s.n % multiple == 0 and s.k % multiple == 0 for s in seen)
     forwards = {(s.has_aux, s.n) for s in seen if s.problem == "forward"}
-    assert (True, -(-65 // multiple) * multiple) in forwards and (False, -(-65 // (8 * multiple)) * 8 * multiple) in forwards
-    assert all(n % (8 * multiple) == 0 or aux or n == 6 for aux, n in forwards), forwards  # (6: fused_mlp's last)
+    wide = 8 * multiple if dtype == "bfloat16" else multiple  # (float32 keeps 16 bytes)
+    assert (True, -(-65 // multiple) * multiple) in forwards and (False, -(-65 // wide) * wide) in forwards
+    assert all(n % wide == 0 or aux for aux, n in forwards), forwards
     seen.clear()
     monkeypatch.setattr(_primitive, "_ROW_BYTES", 1)
     unpadded = results()
@@ -481,11 +482,11 @@ def test_fused_calls_pad_row_widths_and_slice_their_results(rng, monkeypatch, cu
 @pytest.mark.parametrize("m,pads", [(8192, True), (1024, False), (512, False)])
 def test_only_large_problems_pad_their_rows(cublaslt_accepts, dtype, m, pads, return_aux):
     """K = 1020 and N = 4097 go to the call padded to 16-byte rows (1024 and 4104 in
-    bfloat16; 1020 and 4100 in float32), N to 128-byte rows where the call has no aux
-    (4160; 4128), the layer's result cut back, at 8192 rows; not at 1024 (M*N*K just
+    bfloat16; 1020 and 4100 in float32), a bfloat16 N to 128-byte rows where the call has
+    no aux (4160), the layer's result cut back, at 8192 rows; not at 1024 (M*N*K just
     under 2**32) nor at 512 (fewer than 1024 rows; N = 16385, larger)."""
     n = 4097 if m != 512 else 16385
-    n_call = {"bfloat16": (4104, 4160), "float32": (4100, 4128)}[dtype][not return_aux] if pads else n
+    n_call = {"bfloat16": (4104, 4160), "float32": (4100, 4100)}[dtype][not return_aux] if pads else n
     k = {"bfloat16": 1024, "float32": 1020}[dtype] if pads else 1020
     args = [jax.ShapeDtypeStruct(s, dtype) for s in ((m, 1020), (1020, n), (n,))]
     text = _cuda_text(functools.partial(op, activation="gelu", return_aux=return_aux), *args)
@@ -509,10 +510,13 @@ def test_only_large_problems_pad_their_rows(cublaslt_accepts, dtype, m, pads, re
 )
 def test_a_forward_without_aux_pads_n_to_128_byte_rows(n, k, epilog, want):
     """Which widths a padded bfloat16 call at 8192 rows has (``_primitive._padded_rows``):
-    K and an aux's N to 16-byte rows, the N of a forward without aux from 1024 up to 128."""
+    K and an aux's N to 16-byte rows, the N of a forward without aux from 1024 up to 128
+    (float32: 16-byte rows, the wider ones unmeasured there)."""
     spec = EpilogSpec(m=8192, n=n, k=k, epilog=epilog, compute_type="COMPUTE_32F", ab_dtype="bfloat16",
                       bias_dtype="bfloat16", d_dtype="bfloat16")  # fmt: skip
     assert (_primitive._padded_rows(spec).n, _primitive._padded_rows(spec).k) == want
+    single = _primitive._padded_rows(spec._replace(ab_dtype="float32", bias_dtype="float32", d_dtype="float32"))
+    assert (single.n, single.k) == (-(-n // 4) * 4, -(-k // 4) * 4)
     for problem in ("wgrad", "dgrad"):  # their widths are 16-byte rows
         other = _primitive._padded_rows(spec._replace(problem=problem))
         assert (other.n, other.k) == (-(-n // 8) * 8, -(-k // 8) * 8)

@@ -347,12 +347,12 @@ def _auto_pads(dtype: str, m: int, n: int, k: int) -> bool:
     and that a fused call would pad (1024 rows or more, M*N*K >= 2**32:
     ``_primitive.fast_rows``), where ``_auto_fuses_alone`` does not fuse it (below its size
     floor, without an activation, or ReLU where N pads): XLA's own expression on the padded
-    operands, forward and derivatives (``_with_xla_derivatives``). XLA's kernels for unaligned rows are slow:
-    fwd+bwd so padded read 1.93-1.96x XLA at 4096x1024->1025 and 1.36-1.39x at
-    1024x1024->4097 (GELU, H200 and H100, 2026-12-05 (ai)); without an activation, on an
-    H100 (2026-12-06 (ak)), the padded forward read 1.31-2.08x XLA at 1024-8192 rows and
-    fwd+bwd 1.30-2.68x, and with GELU or ReLU below the fused floor the padded forward
-    1.31-1.46x (where the padded fused kernel read 0.86-1.28x)."""
+    operands, forward and derivatives (``_with_xla_derivatives``). XLA's kernels for
+    unaligned rows are slow: fwd+bwd so padded read 1.93-1.96x XLA at 4096x1024->1025 and
+    1.36-1.39x at 1024x1024->4097 (GELU, H200 and H100, 2026-12-05 (ai)); without an
+    activation, on an H100 (2026-12-06 (ak)), the padded forward read 1.31-2.08x XLA at
+    1024-8192 rows and fwd+bwd 1.30-2.68x, and with GELU or ReLU below the fused floor the
+    padded forward 1.31-1.46x (where the padded fused kernel read 0.86-1.28x)."""
     if not known_sizes(m, n, k):
         return False
     return dtype in _AUTO_DTYPES and not aligned_rows(n, k, dtype) and fast_rows(m, n, k, dtype)

@@ -22,15 +22,14 @@ forward, or forward + backward (``benchmarks.probes.row_padding``'s losses).
 from __future__ import annotations
 
 import argparse
-import functools
 
 import jax
 
 from benchmarks import run
 from benchmarks.forward import write_results
-from benchmarks.probes.row_padding import knobs, loss
+from benchmarks.probes import row_padding
+from benchmarks.probes.row_padding import knobs
 from benchmarks.timing import WallClock, measure_interleaved
-from jax_epilog import _primitive
 
 CASES = [  # (M, K, N, activation, mode); bf16 with a bf16 bias
     (8192, 1024, 4096, "relu", "fwd"),  # aligned at every width: the control
@@ -45,17 +44,14 @@ CASES = [  # (M, K, N, activation, mode); bf16 with a bf16 bias
 ]
 WIDTHS = (16, 64, 128, 256)
 KINDS = ("fused", "auto", "xla")
+# Each kind (and "plain": XLA's expression as it is) is a row_padding contender's program;
+# this probe sets the row width around it.
+_CONTENDERS = {"fused": "padded", "auto": "auto", "xla": "xla_padded", "plain": "xla"}
 
 
 def program(case: run.Case, kind: str):
     """The un-jitted function ``kind`` (fused, auto, xla: padded; plain: as it is) times."""
-    name = {"fused": "jax_epilog", "auto": "jax_epilog_auto", "xla": "xla", "plain": "xla"}[kind]
-    fwd = run.jax_program(case._replace(mode="fwd"), name)
-    if kind == "xla":
-        fwd = functools.partial(_primitive.on_padded_rows, fwd)
-    if case.mode == "fwd":
-        return fwd
-    return jax.grad(lambda x, w, b: loss(case, fwd(x, w, b)), argnums=(0, 1, 2))
+    return row_padding.program(case, _CONTENDERS[kind])
 
 
 def bench(case: run.Case, widths) -> dict:

@@ -670,6 +670,23 @@ def test_kernel_profile_peer_case_runs_the_suites_call(monkeypatch):
     assert y.shape == (24, 56) and float(jnp.min(y)) == 0.0 and float(jnp.max(y)) > 0.0
 
 
+def test_kernel_profile_peer_shape_option_sets_the_peers_shape(tmp_path, monkeypatch):
+    from benchmarks.probes import kernels
+
+    monkeypatch.setattr(kernels, "PEER_SHAPE", kernels.PEER_SHAPE)  # restored after the test
+    shapes = []
+
+    def profile(name, kind, make, out):  # the case's own step, not a CUPTI trace
+        step, args = make()
+        shapes.append(jax.block_until_ready(step(*args)).shape)
+        raise RuntimeError("no profiler here")
+
+    monkeypatch.setattr(kernels, "profile", profile)
+    kernels.main([str(tmp_path), "--case", "peer-gelu-xla", "--peer-shape", "24", "40", "56"])
+    assert shapes == [(24, 56)]
+    assert "peer-gelu-xla | RuntimeError: no profiler here" in (tmp_path / "kernels.md").read_text()
+
+
 def test_forward_chain_rows_time_every_calling_pattern(monkeypatch):
     from benchmarks import forward
 

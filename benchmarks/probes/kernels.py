@@ -1,6 +1,6 @@
 """Which GPU kernels a jitted program runs, and for how long (a CUPTI profile).
 
-    python -m benchmarks.probes.kernels OUT_DIR [--case NAME ...]
+    python -m benchmarks.probes.kernels OUT_DIR [--case NAME ...] [--peer-shape M K N]
 
 Each case is compiled and warmed up, then ``STEPS`` back-to-back calls run under
 ``jax.profiler.trace`` (CUPTI records every kernel, those replayed from XLA's command
@@ -15,8 +15,8 @@ equal and above the GPU's busy time, the program is bound by its host cost.
 Cases: the forward at 8192x4096->16384 bf16 (ReLU, GELU), fused and XLA, one layer per call
 and four per call as in benchmarks.forward's "in 4" rows (XLA's single call has timed up to 5%
 faster than its own four-to-a-call rate there); the suite's forward calls at 8192x4096->1024
-(ReLU, GELU) of the fused call, XLA, nvmath's ``Matmul`` and ``torch._addmm_activation``
-("peer-..."), and at 8192x4096->16384 the fused call beside "auto" ("auto-...", the same
+(``--peer-shape`` for another; ReLU, GELU) of the fused call, XLA, nvmath's ``Matmul`` and
+``torch._addmm_activation`` ("peer-..."), and at 8192x4096->16384 the fused call beside "auto" ("auto-...", the same
 plan: they have timed 1-3% apart in the suite); fwd+bwd ``jax.grad`` of ``sum(act(x @ w + b))`` at 8192x1024->4096 bf16 for
 XLA's plain expression, ``fused_dense(implementation="cublaslt")`` and the fused forward with
 XLA's backward (benchmarks.backward_variants), and the first two at benchmarks.training's
@@ -91,7 +91,7 @@ def _chain_case(activation: str, layout: str, name: str, depth: int = 16, donate
     return feedback(program, x, ws, bs), ()  # each result is the next (donated) input
 
 
-# The peers' contexts (nvmath plans, torch's no_grad) stay open until the process ends.
+# The peers' contexts (nvmath plans, torch's no_grad) stay open until main() has profiled every case.
 _OPEN = contextlib.ExitStack()
 PEER_SHAPE = (8192, 4096, 1024)  # where nvmath and PyTorch time ahead of the fused call
 
@@ -314,23 +314,31 @@ def render(rows: list[dict], top: int = 8) -> str:
 
 
 def main(argv=None):
+    global PEER_SHAPE
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("out")
     parser.add_argument("--case", action="append", help="case names (default: all)")
+    parser.add_argument(
+        "--peer-shape", type=int, nargs=3, metavar=("M", "K", "N"),
+        help=f"the peer-... cases' shape (default {'x'.join(map(str, PEER_SHAPE))})",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.peer_shape:
+        PEER_SHAPE = tuple(args.peer_shape)
     os.makedirs(args.out, exist_ok=True)
     rows = []
-    for name, (kind, make) in cases().items():
-        if args.case and name not in args.case:
-            continue
-        try:
-            row = profile(name, kind, make, args.out)
-        except Exception as exc:  # noqa: BLE001 -- one failing case must not cost the others
-            row = {"case": name, "error": f"{type(exc).__name__}: {exc}"[:300]}
-        rows.append(row)
-        print(json.dumps({k: v for k, v in row.items() if k not in ("kernels", "host")}), flush=True)
+    with _OPEN:  # closes the peers' plans and torch's settings before the interpreter exits
+        for name, (kind, make) in cases().items():
+            if args.case and name not in args.case:
+                continue
+            try:
+                row = profile(name, kind, make, args.out)
+            except Exception as exc:  # noqa: BLE001 -- one failing case must not cost the others
+                row = {"case": name, "error": f"{type(exc).__name__}: {exc}"[:300]}
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k not in ("kernels", "host")}), flush=True)
     table = render(rows)
     write_results(args.out, "kernels", rows, table)
     print(table)

@@ -4,7 +4,7 @@
 
 Writes ``<out>/<UTC date>-<gpu slug>.json``, its Markdown rendering beside it (``.md``) and,
 when matplotlib is importable, two plots (``benchmarks/plot.py``). Contenders: fused_dense
-(forward, and forward+backward), XLA's jit of ``act(x @ w + b)`` with default options and
+(forward, and forward+backward in two modes: ``MODES``), XLA's jit of ``act(x @ w + b)`` with default options and
 compiled with ``xla_gpu_enable_cublaslt`` on (``CUBLASLT_OPTIONS``: the
 ``--xla_gpu_enable_cublaslt=true`` flag for that program alone), PyTorch eager in three spellings,
 nvmath-python's ``Matmul`` called from CuPy, plus the machine's matmul and copy ceilings and
@@ -63,7 +63,7 @@ class Case(NamedTuple):
     dtype: str
     bias_dtype: str
     activation: str  # "relu", "gelu" or "none"
-    mode: str  # "fwd" or "fwd+bwd"
+    mode: str  # one of MODES
     compute_type: str | None = None  # fused_dense's default when None
 
     @property
@@ -71,6 +71,11 @@ class Case(NamedTuple):
         return f"{self.m}x{self.k}->{self.n}"
 
 
+# "fwd": the layer's output. "fwd+bwd": jax.grad of the output's float32 sum in x, kernel and
+# bias; XLA may then skip forming the output itself (only act'(z) is needed) and fold the
+# constant cotangent away. "fwd+vjp": the output and its VJP for a given cotangent dy (an
+# input, N(0, 1)), what a layer does in a training step, where y feeds the next layer.
+MODES = ("fwd", "fwd+bwd", "fwd+vjp")
 KEY_FIELDS = ("shape", "dtype", "bias_dtype", "compute_type", "activation", "mode")
 
 
@@ -90,7 +95,7 @@ def plan(full: bool) -> list[Case]:
 
     def add(m, k, n, dtype, bias_dtype=None, acts=ALL_ACTS, backward=False, compute_type=None):
         for act in acts:
-            for mode in ("fwd", "fwd+bwd") if backward else ("fwd",):
+            for mode in MODES if backward else ("fwd",):
                 cases.append(Case(m, k, n, dtype, bias_dtype or dtype, act, mode, compute_type))
 
     add(256, 784, 100, "float16", "float32", backward=full)  # the seed layer
@@ -197,6 +202,15 @@ class Inputs:
     def jax(self) -> list[tuple]:
         return self._sets("jax", jnp.asarray, jnp.copy)
 
+    def jax_cotangents(self) -> list[jax.Array]:
+        """An output cotangent dy ~ N(0, 1) of shape (m, n) in the operands' dtype, one
+        device copy per input set (mode "fwd+vjp")."""
+        if "jax_dy" not in self._made:
+            m, _, n = self.problem[:3]
+            dy = jnp.asarray(np.random.default_rng(1).standard_normal((m, n), dtype=np.float32), self.dtype)
+            self._made["jax_dy"] = [dy, *(jnp.copy(dy) for _ in range(self.copies - 1))]
+        return self._made["jax_dy"]
+
     def torch(self, torch) -> list[tuple]:
         def upload(a, dtype):
             return torch.from_numpy(a).to("cuda", getattr(torch, dtype))
@@ -234,7 +248,8 @@ class Skip(Exception):
 
 
 def jax_program(case: Case, contender: str):
-    """The un-jitted function a JAX contender times: forward, or the gradient of a sum."""
+    """The un-jitted function a JAX contender times (``MODES``): forward, the gradient of
+    a sum, or the output with its VJP (then called with the cotangent as a fourth input)."""
     if contender.startswith("jax_epilog"):
         options = {"activation": None if case.activation == "none" else case.activation}
         options["compute_type"] = case.compute_type
@@ -253,6 +268,13 @@ def jax_program(case: Case, contender: str):
 
     if case.mode == "fwd":
         return fwd
+    if case.mode == "fwd+vjp":
+
+        def fwd_vjp(x, w, b, dy):
+            y, pullback = jax.vjp(fwd, x, w, b)
+            return (y, *pullback(dy))
+
+        return fwd_vjp
     return jax.grad(lambda x, w, b: jnp.sum(fwd(x, w, b).astype(jnp.float32)), argnums=(0, 1, 2))
 
 
@@ -276,6 +298,8 @@ class HandlerCountingClock(WallClock):
 def _jax_timed(case: Case, names: list[str], inputs: Inputs) -> list[tuple]:
     """(call, clock) for each JAX contender of a case; the clocks count handler runs."""
     sets = inputs.jax()
+    if case.mode == "fwd+vjp":
+        sets = [(*operands, dy) for operands, dy in zip(sets, inputs.jax_cotangents())]
     programs = [
         jax.jit(jax_program(case, name))
         .lower(*sets[0])
@@ -905,7 +929,7 @@ def estimate_s(case: Case, contender: str, settings: Settings) -> float:
     peak = PEAK.get(case.compute_type or case.dtype, 600e12)
     per_call = max(flops(case) / peak, 60e-6 if contender == "nvmath" else 15e-6)
     batch = max(settings.sample_s, settings.min_calls * per_call)
-    setup = {"fwd": 0.3, "fwd+bwd": 0.8}[case.mode] if "jax" in contender or "xla" in contender else 0.1
+    setup = {"fwd": 0.3, "fwd+bwd": 0.8, "fwd+vjp": 0.8}[case.mode] if "jax" in contender or "xla" in contender else 0.1
     return setup + (settings.samples + 1) * batch + settings.warmup * per_call
 
 

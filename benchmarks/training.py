@@ -6,7 +6,10 @@ FusedMLP, FusedDense and nn.Dense.
                                   [--mlp-activations gelu [relu]]
 
 fwd+bwd rows time ``jax.jit(jax.grad(loss, argnums=(0, 1, 2)))`` with
-``loss = sum(act(x @ w + b))`` (summed in float32), through ``fused_dense`` with its cuBLASLt
+``loss = sum(act(x @ w + b))`` (summed in float32; XLA then need not form the output at
+all), and fwd+vjp rows the layer's output with its VJP for a given cotangent dy ~ N(0, 1),
+``y, pullback = jax.vjp(layer, x, w, b); (y, *pullback(dy))``, as in a training step where
+y feeds the next layer (benchmarks.run's modes); each through ``fused_dense`` with its cuBLASLt
 backward (``implementation="cublaslt"``), through ``fused_dense`` as users call it ("auto":
 XLA's autodiff under ``jax.grad``) and as the plain jnp expression, with the method of
 benchmarks.forward (median of 7 interleaved samples of back-to-back calls). TF/s counts
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import json
 import sys
 import warnings
@@ -60,24 +64,37 @@ def layer_inputs(
     return x, w, b
 
 
-def grad_steps(activation: str):
-    """``jax.jit(jax.grad(sum(layer(x, w, b))))`` for each of GRAD_CONTENDERS."""
+def grad_steps(activation: str, mode: str = "fwd+bwd"):
+    """For each of GRAD_CONTENDERS, ``jax.jit(jax.grad(sum(layer(x, w, b))))`` (mode
+    "fwd+bwd") or the jitted ``(x, w, b, dy) -> (y, dx, dw, db)`` ("fwd+vjp")."""
     layers = {**single_layers(activation), "auto": partial(fused_dense, activation=activation)}
+    if mode == "fwd+vjp":
+
+        def with_vjp(f):
+            def step(x, w, b, dy):
+                y, pullback = jax.vjp(f, x, w, b)
+                return (y, *pullback(dy))
+
+            return step
+
+        return {c: jax.jit(with_vjp(layers[c])) for c in GRAD_CONTENDERS}
     summed = lambda f: lambda x, w, b: jnp.sum(f(x, w, b), dtype=jnp.float32)
     return {c: jax.jit(jax.grad(summed(layers[c]), argnums=(0, 1, 2))) for c in GRAD_CONTENDERS}
 
 
-def bench_grad(rows):
-    for m, k, n in GRAD_SHAPES:
+def bench_grad(rows, shapes=GRAD_SHAPES, modes=("fwd+bwd", "fwd+vjp")):
+    for m, k, n in shapes:
         x, w, b = layer_inputs(m, k, n, np.random.default_rng(3))
-        for activation in ("relu", "gelu"):
-            steps = grad_steps(activation)
+        dy = jnp.asarray(np.random.default_rng(4).standard_normal((m, n), dtype=np.float32), x.dtype)
+        for activation, mode in itertools.product(("relu", "gelu"), modes):
+            steps = grad_steps(activation, mode)
+            args = (x, w, b, dy) if mode == "fwd+vjp" else (x, w, b)
             calls0, ns0, _ = _ffi.handler_stats()
-            times = dict(zip(steps, time_jax_interleaved(*[(s, (x, w, b)) for s in steps.values()])))
+            times = dict(zip(steps, time_jax_interleaved(*[(s, args) for s in steps.values()])))
             calls1, ns1, _ = _ffi.handler_stats()
             flops = 6 * m * n * k
             row = dict(
-                shape=f"{m}x{k}->{n}", dtype="bfloat16", activation=activation, mode="fwd+bwd",
+                shape=f"{m}x{k}->{n}", dtype="bfloat16", activation=activation, mode=mode,
                 **{f"{c}_us": t for c, t in times.items()},
                 **{f"{c}_tflops": flops / t / 1e6 for c, t in times.items()},
                 handler_calls=calls1 - calls0, handler_host_us=(ns1 - ns0) / max(1, calls1 - calls0) / 1e3,
@@ -177,14 +194,14 @@ def bench_example(rows, size="large", implementations=("auto",), options=()):
 
 def render(rows) -> str:
     lines = []
-    grad = [r for r in rows if r.get("mode") == "fwd+bwd"]
+    grad = [r for r in rows if r.get("mode") in ("fwd+bwd", "fwd+vjp")]
     if grad:
-        lines += [("| M×K→N (bf16) | act | fused_dense \"cublaslt\" µs (TF/s) | \"auto\" µs (TF/s) "
-                  "| XLA jit(grad) µs (TF/s) | XLA/cublaslt | XLA/auto |"),
-                  "|---|---|---|---|---|---|---|"]  # fmt: skip
+        lines += [("| M×K→N (bf16) | act | mode | fused_dense \"cublaslt\" µs (TF/s) | \"auto\" µs (TF/s) "
+                  "| XLA jit µs (TF/s) | XLA/cublaslt | XLA/auto |"),
+                  "|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for r in grad:
             cells = " | ".join(f"{r[c + '_us']:.1f} ({r[c + '_tflops']:.0f})" for c in GRAD_CONTENDERS)
-            lines.append(f"| {r['shape']} | {r['activation']} | {cells} "
+            lines.append(f"| {r['shape']} | {r['activation']} | {r['mode']} | {cells} "
                          f"| {r['xla_us'] / r['fused_us']:.2f}× | {r['xla_us'] / r['auto_us']:.2f}× |")  # fmt: skip
         lines.append("")
     mlp = [r for r in rows if r.get("mode") == "mlp fwd+bwd"]

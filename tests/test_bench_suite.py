@@ -33,7 +33,9 @@ def test_quick_plan():
     assert {(c.dtype, c.bias_dtype) for c in seed} == {("float16", "float32")}
     assert {c.dtype for c in cases if c.m != 256} == {"bfloat16"}
     assert {(c.m, c.k, c.n) for c in cases if c.activation == "none"} == {(256, 784, 100), (8192, 1024, 4096)}
-    assert {c.m for c in cases if c.mode == "fwd+bwd"} == {8192}
+    assert {c.m for c in cases if c.mode != "fwd"} == {8192}
+    backward = {mode: {(c.m, c.k, c.n, c.activation) for c in cases if c.mode == mode} for mode in run.MODES[1:]}
+    assert backward["fwd+bwd"] == backward["fwd+vjp"] and len(backward["fwd+vjp"]) == 7
     assert len(cases) == len(set(cases))
     assert all(c.compute_type is None for c in cases)
 
@@ -66,7 +68,7 @@ def test_contenders_and_jobs():
 def test_flops_and_tflops():
     fwd = Case(2, 3, 5, "bfloat16", "bfloat16", "relu", "fwd")
     assert run.flops(fwd) == 60
-    assert run.flops(fwd._replace(mode="fwd+bwd")) == 180
+    assert run.flops(fwd._replace(mode="fwd+bwd")) == run.flops(fwd._replace(mode="fwd+vjp")) == 180
     big = Case(8192, 4096, 16384, "bfloat16", "bfloat16", "gelu", "fwd")
     assert run.tflops(big, 1000.0) == pytest.approx(2 * 8192 * 4096 * 16384 / 1e-3 / 1e12)
     assert big.shape == "8192x4096->16384"
@@ -207,7 +209,7 @@ def test_a_failing_contender_becomes_a_row(monkeypatch):
     assert row["skipped"] == "ValueError: boom"
 
 
-@pytest.mark.parametrize("mode", ["fwd", "fwd+bwd"])
+@pytest.mark.parametrize("mode", run.MODES)
 @pytest.mark.parametrize("contender", ["jax_epilog", "xla", "xla_cublaslt"])
 def test_jax_contenders_run_on_cpu(contender, mode):
     case = _tiny(mode, "gelu")
@@ -216,6 +218,24 @@ def test_jax_contenders_run_on_cpu(contender, mode):
     assert (
         row["us"] > 0 and row["samples"] == 2 and row["tflops"] == pytest.approx(run.tflops(case, row["us"]))
     )
+
+
+@pytest.mark.parametrize("contender", ["jax_epilog", "jax_epilog_auto", "xla"])
+def test_fwd_vjp_mode_returns_the_output_and_its_vjp_of_the_given_cotangent(contender):
+    case = Case(24, 40, 56, "float32", "float32", "gelu", "fwd+vjp")
+    inputs = run.Inputs(case)
+    (x, w, b), (dy, dy_copy, *_) = inputs.jax()[0], inputs.jax_cotangents()
+    assert dy.shape == (24, 56) and dy.dtype == jnp.float32 and float(jnp.std(dy)) > 0.5
+    assert bool(jnp.all(dy == dy_copy)) and dy is not dy_copy  # one value, one copy per input set
+    y, dx, dw, db = jax.jit(run.jax_program(case, contender))(x, w, b, dy)
+
+    def layer(x, w, b):
+        return jax.nn.gelu(jnp.matmul(x, w, precision="highest") + b, approximate=True)
+
+    want_y, pullback = jax.vjp(layer, x, w, b)
+    np.testing.assert_allclose(y, want_y, rtol=1e-5, atol=1e-5)
+    for got, want in zip((dx, dw, db), pullback(dy)):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(jnp.max(jnp.abs(want))))
 
 
 class _FakeCupy:
@@ -760,6 +780,37 @@ def _count_interleaved(monkeypatch) -> list[int]:
     real = forward.measure_interleaved
     monkeypatch.setattr(forward, "measure_interleaved", lambda calls, s: timed.append(len(calls)) or real(calls, s))
     return timed
+
+
+def test_grad_rows_time_both_backward_modes(monkeypatch):
+    from benchmarks import training
+
+    timed = _count_interleaved(monkeypatch)
+    rows = []
+    training.bench_grad(rows, shapes=[(24, 16, 40)])
+    assert timed == [3] * 4  # fused, auto and XLA together, per activation and mode
+    assert [(r["activation"], r["mode"]) for r in rows] == [
+        ("relu", "fwd+bwd"), ("relu", "fwd+vjp"), ("gelu", "fwd+bwd"), ("gelu", "fwd+vjp"),
+    ]  # fmt: skip
+    assert all(r[f"{c}_us"] > 0 for r in rows for c in training.GRAD_CONTENDERS)
+    table = training.render(rows)
+    assert "| 24x16->40 | gelu | fwd+vjp |" in table and "| mode |" in table
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_fwd_vjp_grad_steps_agree_with_xlas(activation):
+    from benchmarks import training
+
+    x, w, b = training.layer_inputs(24, 16, 40, np.random.default_rng(0), dtype=jnp.float32)
+    dy = jnp.asarray(np.random.default_rng(1).standard_normal((24, 40)), jnp.float32)
+    outs = {c: step(x, w, b, dy) for c, step in training.grad_steps(activation, "fwd+vjp").items()}
+    assert [o.shape for o in outs["xla"]] == [(24, 40), (24, 16), (16, 40), (40,)]
+    for c in ("fused", "auto"):
+        for got, want in zip(outs[c], outs["xla"]):
+            np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3 * float(jnp.max(jnp.abs(want))))
+    # the cotangent is an input: another dy gives other gradients
+    other = training.grad_steps(activation, "fwd+vjp")["fused"](x, w, b, 2 * dy)
+    np.testing.assert_allclose(other[2], 2 * outs["fused"][2], rtol=1e-4, atol=1e-5)
 
 
 def test_example_rows_time_the_train_steps_interleaved(monkeypatch):

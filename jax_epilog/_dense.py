@@ -168,9 +168,10 @@ def fused_dense(
         backward pass, where XLA's own autodiff measured at least as fast as the backward
         below under ``jax.grad`` of a summed output and in MLP blocks. (Where a ReLU
         layer's output is formed and its cotangent is an array, ``jax.vjp`` with a given
-        ``dy``, ``"cublaslt"`` measured 1.15-1.18x XLA at 8192x1024->4096 on an H100, 0.99-1.03x
-        at the other shapes timed: benchmarks/README.md, 2026-12-06 (am).) On a CPU everything runs XLA (``"cublaslt"``: the reference math below,
-        with the GPU kernel's aux layout).
+        ``dy``, ``"cublaslt"`` measured 1.15-1.18x XLA at 8192x1024->4096 on an H100 and
+        0.99-1.03x at the other shapes timed: benchmarks/README.md, 2026-12-06 (am).)
+        On a CPU everything runs XLA (``"cublaslt"``: the reference math below, with the
+        GPU kernel's aux layout).
         Where K or N is not a multiple of 8 elements (of 4 in float32), on 1024 rows or
         more with M*N*K >= 2**32, the GPU call pads them with zeros to whole 16-byte rows
         (a half-precision N of 1024 or more to 128-byte rows in a forward without aux)

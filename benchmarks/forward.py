@@ -45,6 +45,18 @@ def activation_fn(name: str | None):
     return jax.nn.relu if name == "relu" else partial(jax.nn.gelu, approximate=True)
 
 
+def output_and_vjp(layer):
+    """``(x, w, b, dy) -> (y, dx, dw, db)``: the layer's output and its VJP for the output
+    cotangent ``dy``, as a training step computes both (mode "fwd+vjp" of benchmarks.run
+    and benchmarks.training)."""
+
+    def step(x, w, b, dy):
+        y, pullback = jax.vjp(layer, x, w, b)
+        return (y, *pullback(dy))
+
+    return step
+
+
 # Samples as the suite takes them (benchmarks/timing.py), with this benchmark's counts.
 SETTINGS = Settings(samples=REPEATS, min_calls=ITERS, sample_s=SAMPLE_S, max_calls=2000)
 

@@ -4,8 +4,8 @@
 
 Writes ``<out>/<UTC date>-<gpu slug>.json``, its Markdown rendering beside it (``.md``) and,
 when matplotlib is importable, two plots (``benchmarks/plot.py``). Contenders: fused_dense
-(forward, and forward+backward in two modes: ``MODES``), XLA's jit of ``act(x @ w + b)`` with default options and
-compiled with ``xla_gpu_enable_cublaslt`` on (``CUBLASLT_OPTIONS``: the
+(forward, and forward+backward in two modes: ``MODES``), XLA's jit of ``act(x @ w + b)``
+with default options and compiled with ``xla_gpu_enable_cublaslt`` on (``CUBLASLT_OPTIONS``: the
 ``--xla_gpu_enable_cublaslt=true`` flag for that program alone), PyTorch eager in three spellings,
 nvmath-python's ``Matmul`` called from CuPy, plus the machine's matmul and copy ceilings and
 the host cost per call. The method is in benchmarks/README.md.
@@ -269,12 +269,7 @@ def jax_program(case: Case, contender: str):
     if case.mode == "fwd":
         return fwd
     if case.mode == "fwd+vjp":
-
-        def fwd_vjp(x, w, b, dy):
-            y, pullback = jax.vjp(fwd, x, w, b)
-            return (y, *pullback(dy))
-
-        return fwd_vjp
+        return forward.output_and_vjp(fwd)
     return jax.grad(lambda x, w, b: jnp.sum(fwd(x, w, b).astype(jnp.float32)), argnums=(0, 1, 2))
 
 
@@ -921,6 +916,7 @@ def write_results(results: dict, stem: str) -> tuple[str, str]:
 # ------------------------------------------------------------------------------ the plan, told
 
 
+SETUP_S = {"fwd": 0.3, "fwd+bwd": 0.8, "fwd+vjp": 0.8}  # compiling a JAX contender, by mode
 PEAK = {"float32": 50e12, TF32: 400e12}  # what --dry-run assumes; half precision 600 TF/s
 
 
@@ -929,7 +925,7 @@ def estimate_s(case: Case, contender: str, settings: Settings) -> float:
     peak = PEAK.get(case.compute_type or case.dtype, 600e12)
     per_call = max(flops(case) / peak, 60e-6 if contender == "nvmath" else 15e-6)
     batch = max(settings.sample_s, settings.min_calls * per_call)
-    setup = {"fwd": 0.3, "fwd+bwd": 0.8, "fwd+vjp": 0.8}[case.mode] if "jax" in contender or "xla" in contender else 0.1
+    setup = SETUP_S[case.mode] if "jax" in contender or "xla" in contender else 0.1
     return setup + (settings.samples + 1) * batch + settings.warmup * per_call
 
 

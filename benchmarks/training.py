@@ -41,7 +41,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.forward import activation_fn, single_layers, time_jax_interleaved, write_results
+from benchmarks.forward import (
+    activation_fn,
+    output_and_vjp,
+    single_layers,
+    time_jax_interleaved,
+    write_results,
+)
 from jax_epilog import FastPathWarning, _ffi, fused_dense, fused_mlp
 
 GRAD_SHAPES = [(8192, 1024, 4096), (8192, 4096, 16384), (8192, 4096, 1024)]
@@ -69,15 +75,7 @@ def grad_steps(activation: str, mode: str = "fwd+bwd"):
     "fwd+bwd") or the jitted ``(x, w, b, dy) -> (y, dx, dw, db)`` ("fwd+vjp")."""
     layers = {**single_layers(activation), "auto": partial(fused_dense, activation=activation)}
     if mode == "fwd+vjp":
-
-        def with_vjp(f):
-            def step(x, w, b, dy):
-                y, pullback = jax.vjp(f, x, w, b)
-                return (y, *pullback(dy))
-
-            return step
-
-        return {c: jax.jit(with_vjp(layers[c])) for c in GRAD_CONTENDERS}
+        return {c: jax.jit(output_and_vjp(layers[c])) for c in GRAD_CONTENDERS}
     summed = lambda f: lambda x, w, b: jnp.sum(f(x, w, b), dtype=jnp.float32)
     return {c: jax.jit(jax.grad(summed(layers[c]), argnums=(0, 1, 2))) for c in GRAD_CONTENDERS}
 

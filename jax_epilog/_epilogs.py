@@ -15,8 +15,10 @@ __all__ = [
     "Activation",
     "ComputeType",
     "EpilogSpec",
+    "aux_columns",
     "aux_dtype",
     "aux_padded_width",
+    "buffer_elements",
     "default_compute_type",
     "epilog_name",
     "known_sizes",
@@ -125,6 +127,14 @@ def aux_padded_width(activation: Activation | str, n: int) -> int:
     return _round_up(n, 8)
 
 
+def aux_columns(activation: Activation | str, n: int) -> int:
+    """The most columns a fused call's D may have (its rows padded for cuBLASLt) while the
+    aux keeps the layout of ``n`` columns (``aux_padded_width``): cuBLASLt lays the aux out
+    by D's width, round_up(width, 8) values of z (GELU) or round_up(width, 128) bits (ReLU)
+    to a row."""
+    return _round_up(n, 128 if Activation(activation) is Activation.RELU else 8)
+
+
 def aux_dtype(activation: Activation, epilog_dtype: np.dtype) -> np.dtype:
     """uint8 bits for ReLU; GELU keeps ``z`` in the epilog's (D's) dtype."""
     return np.dtype(np.uint8) if activation is Activation.RELU else np.dtype(epilog_dtype)
@@ -184,3 +194,16 @@ class EpilogSpec(NamedTuple):
             if self.epilog.startswith(act.name):
                 return act
         return None
+
+
+def buffer_elements(s: EpilogSpec) -> tuple[int, int, int, int, int]:
+    """Elements of A, B, D, the bias and the aux of problem ``s`` (see EpilogSpec), all
+    members' (0 for one the problem lacks): the buffers the custom call must be handed."""
+    if s.problem == "wgrad":  # A = dz, B = x, D = dkernel, the bias the dbias output
+        return s.m * s.n, s.m * s.k, s.k * s.n, s.n if s.bias_dtype else 0, 0
+    if s.problem == "dgrad":  # A = kernel, B = dz, D = dx, the aux the previous GELU's z
+        return s.k * s.n, s.m * s.n, s.m * s.k, 0, s.m * aux_padded_width(Activation.GELU, s.k)
+    aux = s.m * aux_padded_width(s.activation, s.n) if s.has_aux else 0  # ReLU: bytes
+    sizes = (s.k * s.n, s.m * s.k, s.m * s.n, s.n if s.bias_dtype else 0, aux)
+    counts = [1 if s.is_shared(o) else s.members for o in ("kernel", "x", "d", "bias", "aux")]
+    return tuple(size * count for size, count in zip(sizes, counts))

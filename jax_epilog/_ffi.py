@@ -26,7 +26,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._epilogs import EpilogSpec
+from ._epilogs import EpilogSpec, buffer_elements
 
 __all__ = [
     "EXPORT_CHECKS", "TARGET_NAME", "call", "ensure_registered", "handler_stats", "spec_key", "trace_handler",
@@ -100,6 +100,7 @@ def call(operands: tuple[jax.Array, ...], results: list[jax.ShapeDtypeStruct], s
     wgrad (x, dz) -> (D = dkernel[, dbias]); dgrad (dz, kernel, aux) -> (D = dz of the
     previous layer).
     """
+    _check_buffers(operands, results, spec)
     key = spec_key(spec)
     _handler.remember(key, spec)
     members = {}
@@ -116,6 +117,31 @@ def call(operands: tuple[jax.Array, ...], results: list[jax.ShapeDtypeStruct], s
         k=np.int64(spec.k),
         **members,
     )
+
+
+# Which of buffer_elements' (A, B, D, bias, aux) each problem's operands and results are.
+_BUFFERS = {
+    "forward": ((1, 0, 3), (2, 4)),  # (x, kernel[, bias]) -> (D[, aux])
+    "wgrad": ((1, 0), (2, 3)),  # (x, dz) -> (dkernel[, dbias])
+    "dgrad": ((1, 0, 4), (2,)),  # (dz, kernel, aux) -> (dx,)
+}
+
+
+def _check_buffers(operands, results, spec: EpilogSpec) -> None:
+    """Raise unless the buffers are exactly those ``spec``'s GEMM reads and writes.
+
+    The handler trusts the problem it is keyed to and checks no buffer size at run time,
+    so a lowering that handed it others would let cuBLASLt read or write out of bounds.
+    """
+    sizes = buffer_elements(spec)
+    for role, buffers, wanted in zip(("operands", "results"), (operands, results), _BUFFERS[spec.problem]):
+        got = [int(np.prod(b.shape)) for b in buffers]
+        want = [sizes[i] for i in wanted][: len(got)]
+        if got != want or any(sizes[i] for i in wanted[len(got) :]):
+            raise RuntimeError(
+                f"jax_epilog bug: the custom call for {spec} was given {role} of {got} elements, "
+                f"where its GEMM needs {[sizes[i] for i in wanted if sizes[i]]}"
+            )
 
 
 # ----------------------------------------------------------------------------- handler

@@ -38,7 +38,7 @@ from nvmath.bindings import cublasLt
 from nvmath.linalg._internal import matmul_pref_ifc
 from nvmath.linalg.advanced import Matmul, MatmulComputeType, MatmulEpilog, MatmulOptions
 
-from ._epilogs import Activation, EpilogSpec, aux_padded_width
+from ._epilogs import Activation, EpilogSpec, aux_padded_width, buffer_elements
 
 __all__ = [
     "NVMATH_VERSION", "Plan", "PlanningError", "alignment_of", "current_device", "device_of", "fill_normal",
@@ -543,21 +543,12 @@ class Plan:
         )  # fmt: skip
 
 
-def operand_bytes(s: EpilogSpec) -> tuple[int, int, int, int, int]:
+def operand_bytes(s: EpilogSpec) -> tuple[int, ...]:
     """Bytes of A, B, D, bias and aux for problem ``s`` (see EpilogSpec), all members'."""
     ab, d = _NP_DTYPES[s.ab_dtype].itemsize, _NP_DTYPES[s.d_dtype].itemsize
-    bias = s.n * _NP_DTYPES[s.bias_dtype].itemsize if s.bias_dtype else 0
-    if s.problem == "wgrad":
-        return s.m * s.n * ab, s.m * s.k * ab, s.k * s.n * d, bias, 0
-    if s.problem == "dgrad":
-        return s.k * s.n * ab, s.m * s.n * ab, s.m * s.k * d, 0, s.m * aux_padded_width(Activation.GELU, s.k) * d
-    aux = 0
-    if s.has_aux:  # ReLU: one bit per output, rows padded to 128 bits; GELU: z padded to 8
-        itemsize = 1 if s.activation is Activation.RELU else d
-        aux = s.m * aux_padded_width(s.activation, s.n) * itemsize
-    counts = [1 if s.is_shared(o) else s.members for o in ("kernel", "x", "d", "bias", "aux")]
-    sizes = (s.k * s.n * ab, s.m * s.k * ab, s.m * s.n * d, bias, aux)
-    return tuple(size * count for size, count in zip(sizes, counts))
+    bias = _NP_DTYPES[s.bias_dtype].itemsize if s.bias_dtype else 0
+    aux = 1 if s.problem == "forward" and s.activation is Activation.RELU else d  # bits, or z
+    return tuple(count * size for count, size in zip(buffer_elements(s), (ab, ab, d, bias, aux)))
 
 
 _plans: dict[tuple[EpilogSpec, int, int], Plan] = {}

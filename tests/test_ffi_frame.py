@@ -294,3 +294,38 @@ def test_importing_registers_the_target_without_nvmath_or_the_gpu():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def _shapes(*shapes):
+    return [SimpleNamespace(shape=shape) for shape in shapes]
+
+
+def test_a_call_takes_exactly_the_buffers_its_problem_reads_and_writes():
+    """``_ffi.call`` checks, while lowering, that each operand and result has the elements
+    its problem's GEMM reads or writes (``buffer_elements``): the handler checks no size at
+    run time, so any other buffer would be read or written out of bounds."""
+    m, n, k = FORWARD.m, FORWARD.n, FORWARD.k
+    fits = {  # (operands, results); ReLU's aux: round_up(65, 128) / 8 bytes; GELU's: round_up(129, 8)
+        FORWARD: ([(m, k), (k, n), (n,)], [(m, n), (m, 16)]),
+        FORWARD._replace(epilog="RELU", bias_dtype=None): ([(m, k), (k, n)], [(m, n)]),
+        WGRAD: ([(m, k), (m, n)], [(k, n), (n,)]),
+        DGRAD: ([(m, n), (k, n), (m, 136)], [(m, k)]),
+        MEMBERS: ([(m, k), (7, k, n), (7, n)], [(7, m, n), (7, m, 16)]),
+    }
+    for spec, (operands, results) in fits.items():
+        _ffi._check_buffers(_shapes(*operands), _shapes(*results), spec)
+    misfits = [  # (spec, operands, results, the wrong role)
+        (FORWARD, [(m, k), (k, n), (n,)], [(m, n), (m, 24)], "results"),  # an aux a row wider
+        (FORWARD, [(m, k), (k, n)], [(m, n), (m, 16)], "operands"),  # the bias missing
+        (FORWARD._replace(n=96), [(m, k), (k, 96), (96,)], [(m, 96), (m, 16)], None),  # fits: 96 bits pad to 128
+        (FORWARD._replace(n=136), [(m, k), (k, 136), (136,)], [(m, 136), (m, 16)], "results"),  # 136 bits need 32 bytes
+        (WGRAD, [(m, k), (m, n)], [(k, n)], "results"),  # the bias gradient missing
+        (DGRAD, [(m, n), (k, n), (m, 160)], [(m, k)], "operands"),  # an aux padded past K's 8
+        (MEMBERS, [(7, m, k), (7, k, n), (7, n)], [(7, m, n), (7, m, 16)], "operands"),  # x not shared
+    ]
+    for spec, operands, results, role in misfits:
+        if role is None:
+            _ffi._check_buffers(_shapes(*operands), _shapes(*results), spec)
+            continue
+        with pytest.raises(RuntimeError, match=f"given {role} of"):
+            _ffi._check_buffers(_shapes(*operands), _shapes(*results), spec)

@@ -24,7 +24,7 @@ from jax_epilog import (
     fused_dense,
     fused_mlp,
 )
-from jax_epilog._epilogs import Activation, ComputeType, EpilogSpec
+from jax_epilog._epilogs import Activation, ComputeType, EpilogSpec, aux_padded_width
 from jax_epilog._sharding import partitioned_lowering
 
 TARGET = "jax_epilog_fused_matmul"
@@ -392,7 +392,9 @@ def test_the_cuda_lowerings_row_folding_keeps_the_values(rng, cuda_lowerings_on_
 
 def _reference_call(seen: list, operands, results, spec):
     """The custom call's results from its problem's reference math on the operands it is
-    handed, whose shapes must be the problem's (padded) sizes. Appends ``spec`` to ``seen``."""
+    handed, whose shapes must be the problem's (padded) sizes, as ``_ffi.call`` checks them.
+    Appends ``spec`` to ``seen``."""
+    _primitive._ffi._check_buffers(operands, results, spec)
     seen.append(spec)
     ct = ComputeType[spec.compute_type]
     d_dtype = results[0].dtype
@@ -475,6 +477,49 @@ def test_fused_calls_pad_row_widths_and_slice_their_results(rng, monkeypatch, cu
     relu_bits = lambda a: np.unpackbits(np.asarray(a), axis=-1, bitorder="little")[..., :65]
     np.testing.assert_array_equal(relu_bits(padded[2]["relu"]), relu_bits(unpadded[2]["relu"]))
     assert_near(padded[2]["gelu"][..., :65], unpadded[2]["gelu"][..., :65], TOL[dtype], "GELU aux")
+
+
+@pytest.mark.parametrize("row_bytes", [64, 256])
+def test_an_aux_keeps_the_layers_layout_at_any_row_width(rng, monkeypatch, cuda_lowerings_on_cpu, cublaslt_accepts, row_bytes):
+    """Rows padded wider than 16 bytes (as ``benchmarks.probes.pad_width`` asks) leave each
+    aux laid out as the layer's: a forward with an aux pads N, and fused_mlp's DGELU call
+    K, no further than the aux's own padding (``aux_columns``), so cuBLASLt never writes or
+    reads the aux by a wider row than its buffer has. (On an H100 the GELU forward padded
+    to 64 bytes wrote its aux so, and its gradients were wrong: 2026-12-06 (an).) The
+    values, auxes and gradients equal the unpadded calls'."""
+    seen: list = []
+    monkeypatch.setattr(_primitive._ffi, "call", functools.partial(_reference_call, seen))
+    for knob in ("_PAD_MIN_ROWS", "_PAD_MIN_WORK", "_WIDE_MIN_N"):
+        monkeypatch.setattr(_primitive, knob, 0)
+    x = jnp.asarray(rng.standard_normal((2, 9, 29)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((29, 65)) / 6, jnp.bfloat16)
+    b, w2 = jnp.asarray(rng.standard_normal(65), jnp.bfloat16), jnp.asarray(rng.standard_normal((65, 6)) / 8, jnp.bfloat16)
+    mlp = lambda x, w, b: fused_mlp(x, [(w, b), (w2, None)], ["gelu", None], implementation="cublaslt")
+    mlp_grad = jax.jit(jax.grad(lambda *a: jnp.sum(jnp.sin(mlp(*a).astype(jnp.float32))), argnums=(0, 1, 2)))
+
+    def results():
+        auxed = {act: jax.jit(functools.partial(op, activation=act, return_aux=True))(x, w, b) for act in ("relu", "gelu")}
+        return auxed, mlp_grad(x, w, b)
+
+    monkeypatch.setattr(_primitive, "_ROW_BYTES", row_bytes)
+    monkeypatch.setattr(_primitive, "_WIDE_ROW_BYTES", row_bytes)  # (as the probe sets them)
+    wide = results()
+    # (the aux's width is the first layer's N, 65: a forward's N, the second layer's DGELU K)
+    widths = {(s.problem, s.activation): s.n if s.problem == "forward" else s.k for s in seen if s.has_aux or s.problem == "dgrad"}
+    assert set(widths) == {("forward", Activation.RELU), ("forward", Activation.GELU), ("dgrad", None)}
+    for (problem, act), width in widths.items():
+        act = act or Activation.GELU  # (dgrad's aux is a GELU layer's z)
+        assert width > 65 and aux_padded_width(act, width) == aux_padded_width(act, 65), (problem, act, width)
+    assert all(s.n % (row_bytes // 2) == 0 for s in seen if s.problem == "forward" and not s.has_aux)  # (the rest pad on)
+    monkeypatch.setattr(_primitive, "_ROW_BYTES", 1)
+    narrow = results()
+    relu_bits = lambda a: np.unpackbits(np.asarray(a), axis=-1, bitorder="little")[..., :65]
+    np.testing.assert_array_equal(relu_bits(wide[0]["relu"][1]), relu_bits(narrow[0]["relu"][1]))
+    for act in ("relu", "gelu"):
+        assert_near(wide[0][act][0], narrow[0][act][0], TOL["bfloat16"], f"{act} value")
+    assert_near(wide[0]["gelu"][1][..., :65], narrow[0]["gelu"][1][..., :65], TOL["bfloat16"], "GELU aux")
+    for arg, got, want in zip("xwb", wide[1], narrow[1], strict=True):
+        assert_near(got, want, GRAD_TOL["bfloat16"], f"fused_mlp d{arg}")
 
 
 @pytest.mark.parametrize("return_aux", [False, True])

@@ -16,7 +16,10 @@ row width W (bytes), interleaved (the suite's inputs and method, ``benchmarks.ru
 - ``xla@W``: ``jax.jit`` of ``act(x @ w + b)`` on the operands padded to W bytes, cut back;
 - ``xla``: the expression as it is;
 
-forward, or forward + backward (``benchmarks.probes.row_padding``'s losses).
+forward, or forward + backward (``benchmarks.probes.row_padding``'s losses). A call with
+an aux keeps the aux's layout whatever W (``_primitive._padded_rows``): a GELU forward with
+its aux pads N to 8 elements only, so "fused@W" fwd+bwd GELU rows time 16-byte N rows
+(before 2026-12-06 (an) they padded N to W and wrote the aux out of its bounds: void).
 """
 
 from __future__ import annotations

@@ -495,11 +495,11 @@ def test_an_aux_keeps_the_layers_layout_at_any_row_width(rng, monkeypatch, cuda_
     w = jnp.asarray(rng.standard_normal((29, 65)) / 6, jnp.bfloat16)
     b, w2 = jnp.asarray(rng.standard_normal(65), jnp.bfloat16), jnp.asarray(rng.standard_normal((65, 6)) / 8, jnp.bfloat16)
     mlp = lambda x, w, b: fused_mlp(x, [(w, b), (w2, None)], ["gelu", None], implementation="cublaslt")
-    mlp_grad = jax.jit(jax.grad(lambda *a: jnp.sum(jnp.sin(mlp(*a).astype(jnp.float32))), argnums=(0, 1, 2)))
 
-    def results():
+    def results():  # (jitted afresh, so that each lowering reads the row width of its time)
         auxed = {act: jax.jit(functools.partial(op, activation=act, return_aux=True))(x, w, b) for act in ("relu", "gelu")}
-        return auxed, mlp_grad(x, w, b)
+        grad = jax.jit(jax.grad(lambda *a: jnp.sum(jnp.sin(mlp(*a).astype(jnp.float32))), argnums=(0, 1, 2)))
+        return auxed, grad(x, w, b)
 
     monkeypatch.setattr(_primitive, "_ROW_BYTES", row_bytes)
     monkeypatch.setattr(_primitive, "_WIDE_ROW_BYTES", row_bytes)  # (as the probe sets them)
@@ -511,8 +511,10 @@ def test_an_aux_keeps_the_layers_layout_at_any_row_width(rng, monkeypatch, cuda_
         act = act or Activation.GELU  # (dgrad's aux is a GELU layer's z)
         assert width > 65 and aux_padded_width(act, width) == aux_padded_width(act, 65), (problem, act, width)
     assert all(s.n % (row_bytes // 2) == 0 for s in seen if s.problem == "forward" and not s.has_aux)  # (the rest pad on)
+    seen.clear()
     monkeypatch.setattr(_primitive, "_ROW_BYTES", 1)
     narrow = results()
+    assert {s.n for s in seen if s.problem == "forward" and s.has_aux} == {65}
     relu_bits = lambda a: np.unpackbits(np.asarray(a), axis=-1, bitorder="little")[..., :65]
     np.testing.assert_array_equal(relu_bits(wide[0]["relu"][1]), relu_bits(narrow[0]["relu"][1]))
     for act in ("relu", "gelu"):

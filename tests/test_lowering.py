@@ -501,8 +501,7 @@ def test_an_aux_keeps_the_layers_layout_at_any_row_width(rng, monkeypatch, cuda_
         grad = jax.jit(jax.grad(lambda *a: jnp.sum(jnp.sin(mlp(*a).astype(jnp.float32))), argnums=(0, 1, 2)))
         return auxed, grad(x, w, b)
 
-    monkeypatch.setattr(_primitive, "_ROW_BYTES", row_bytes)
-    monkeypatch.setattr(_primitive, "_WIDE_ROW_BYTES", row_bytes)  # (as the probe sets them)
+    monkeypatch.setattr(_primitive, "_ROW_BYTES", row_bytes)  # (256: wider than _WIDE_ROW_BYTES too)
     wide = results()
     # (the aux's width is the first layer's N, 65: a forward's N, the second layer's DGELU K)
     widths = {(s.problem, s.activation): s.n if s.problem == "forward" else s.k for s in seen if s.has_aux or s.problem == "dgrad"}

@@ -122,9 +122,8 @@ def aux_padded_width(activation: Activation | str, n: int) -> int:
       * GELU: the pre-activation ``z``, padded to a multiple of 8 elements.
     The padding's contents are unspecified.
     """
-    if Activation(activation) is Activation.RELU:
-        return _round_up(n, 128) // 8
-    return _round_up(n, 8)
+    columns = aux_columns(activation, n)
+    return columns // 8 if Activation(activation) is Activation.RELU else columns
 
 
 def aux_columns(activation: Activation | str, n: int) -> int:

@@ -319,10 +319,10 @@ def _row_widths(m: int, n: int, k: int, dtype, members: int = 1) -> tuple[int, i
 def _padded_rows(spec: EpilogSpec) -> EpilogSpec:
     """``spec`` with its row widths (N and K) as the fused call has them (``_row_widths``;
     a padded N of at least ``_WIDE_MIN_N`` half-precision columns in a forward without aux:
-    rows of at least ``_WIDE_ROW_BYTES``). An aux keeps the layer's layout: the width it is laid out by (a
-    forward's N, a dgrad's K) pads no further than ``aux_columns`` (with 16-byte rows it
-    never does; wider ``_ROW_BYTES``, as probes set, would make cuBLASLt write or read the
-    aux by a wider row than its buffer has)."""
+    rows of at least ``_WIDE_ROW_BYTES``). An aux keeps the layer's layout: the width it
+    is laid out by (a forward's N, a dgrad's K) pads no further than ``aux_columns`` (with
+    16-byte rows it never does; wider ``_ROW_BYTES``, as probes set, would make cuBLASLt
+    write or read the aux by a wider row than its buffer has)."""
     n, k = _row_widths(spec.m, spec.n, spec.k, spec.ab_dtype, spec.members)
     half = np.dtype(spec.ab_dtype).itemsize == 2
     if n != spec.n and half and spec.n >= _WIDE_MIN_N and spec.problem == "forward" and not spec.has_aux:

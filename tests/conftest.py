@@ -36,8 +36,19 @@ def pytest_collection_modifyitems(config, items):
 SEED = int(os.environ.get("JAX_EPILOG_TEST_SEED", secrets.randbits(32)))
 
 
-def pytest_report_header(config):
+def _seed_line() -> str:
     return f"jax_epilog test seed: JAX_EPILOG_TEST_SEED={SEED} (set it to replay a run)"
+
+
+def pytest_report_header(config):
+    return _seed_line()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Under ``-q`` (the README's command) pytest prints no header: name the seed again
+    after a failure, so the failing data can be drawn again."""
+    if terminalreporter.stats.get("failed") or terminalreporter.stats.get("error"):
+        terminalreporter.write_line(_seed_line())
 
 
 @pytest.fixture

@@ -141,11 +141,14 @@ def perturb(rng, tree):
     return jax.tree.map(lambda p: p + jnp.asarray(rng.standard_normal(p.shape), p.dtype), tree)
 
 
-def assert_relatively_close(got, want, tol: float, what: str) -> None:
-    """The largest error at most ``tol`` of ``want``'s largest entry (``want`` in float64)."""
+def assert_relatively_close(got, want, tol: float, what: str, scale: float | None = None) -> None:
+    """The largest error at most ``tol`` of ``scale``: by default ``want``'s largest entry
+    (``want`` in float64)."""
     want = np.asarray(want, np.float64)
-    err = np.abs(np.asarray(got, np.float64) - want).max() / np.abs(want).max()
-    assert err <= tol, f"{what}: largest error {err:.3g} of the largest entry > {tol}"
+    if scale is None:
+        scale = np.abs(want).max()
+    err = np.abs(np.asarray(got, np.float64) - want).max() / scale
+    assert err <= tol, f"{what}: largest error {err:.3g} of {scale:.3g} > {tol}"
 
 
 def dot_shapes(f, *args) -> list[tuple[int, ...]]:

@@ -224,8 +224,13 @@ def test_gradients_differentiate_again(rng, dtype):
     penalty = lambda f: lambda x, layers: jnp.sum(jax.grad(f)(x, layers) ** 2)
     got = jax.grad(penalty(fused), argnums=(0, 1))(x, layers)
     want = jax.grad(penalty(loss(reference_mlp)), argnums=(0, 1))(*_as_jnp(*_to64((x, layers))))
+    # Measured against the whole gradient's largest entry: one leaf's entries can all be small
+    # beside the rest (a bias at 0.16 among entries near 6), and float32's rounding of the
+    # terms they share is not. Over 3000 draws: up to 1.3e-4 of a leaf's own largest entry
+    # (3 draws above 1e-4), up to 3.0e-5 of the whole gradient's.
+    scale = max(float(jnp.max(jnp.abs(r))) for r in jax.tree.leaves(want))
     for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        assert_relatively_close(g, r, 1e-4 if dtype == "float32" else 1e-12, "the penalty's gradient")
+        assert_relatively_close(g, r, 1e-4 if dtype == "float32" else 1e-12, "the penalty's gradient", scale)
 
 
 def _ops(f, *args) -> str:

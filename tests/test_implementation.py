@@ -244,9 +244,9 @@ def test_auto_fused_forward_with_xla_derivatives(rng, activation, monkeypatch, p
     grad_jaxpr = _jaxpr(jax.grad(lambda *a: jnp.sum(f(*a) ** 2), argnums=(0, 1, 2)), x, w, b)
     assert ("f32[20,12]" in grad_jaxpr) == padded and ("f32[17,9]" in grad_jaxpr)
 
-    def near(got, want, tol):  # padded, float32 sums of 20 terms in another order: 1e-5 of the largest
-        want = np.asarray(want)
-        atol = 1e-5 * max(1.0, float(np.abs(want).max())) if padded else tol
+    def near(got, want, tol, padded_tol=1e-5):  # padded: float32 sums in another order, so
+        want = np.asarray(want)  # an error of padded_tol of the largest entry (or of 1)
+        atol = padded_tol * max(1.0, float(np.abs(want).max())) if padded else tol
         np.testing.assert_allclose(np.asarray(got), want, rtol=tol, atol=atol)
 
     op = fused_dense(x, w, b, activation=activation, implementation="cublaslt")
@@ -270,7 +270,9 @@ def test_auto_fused_forward_with_xla_derivatives(rng, activation, monkeypatch, p
     for got, want in zip(jax.jacfwd(f, argnums=(1, 2))(x, w, b), jax.jacfwd(plain, argnums=(1, 2))(x, w, b)):
         near(got, want, 1e-6)
     hessian = lambda g: jax.hessian(lambda x: jnp.sum(g(x, w, b) ** 2))(x)
-    near(hessian(f), hessian(plain), 1e-5)
+    # GELU's padded Hessian against the unpadded one: up to 2.2e-5 of the largest entry over
+    # 200 draws (5 above 1e-5); each is up to 4.4e-5 from the float64 Hessian.
+    near(hessian(f), hessian(plain), 1e-5, padded_tol=1e-4)
 
 
 @pytest.mark.parametrize("activation", ["relu", "gelu", None])

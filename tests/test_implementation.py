@@ -244,8 +244,9 @@ def test_auto_fused_forward_with_xla_derivatives(rng, activation, monkeypatch, p
     grad_jaxpr = _jaxpr(jax.grad(lambda *a: jnp.sum(f(*a) ** 2), argnums=(0, 1, 2)), x, w, b)
     assert ("f32[20,12]" in grad_jaxpr) == padded and ("f32[17,9]" in grad_jaxpr)
 
-    def near(got, want, tol, padded_tol=1e-5):  # padded: float32 sums in another order, so
-        want = np.asarray(want)  # an error of padded_tol of the largest entry (or of 1)
+    def near(got, want, tol, padded_tol=1e-5):
+        """Padded: float32 sums in another order, so up to padded_tol of the largest entry (or of 1)."""
+        want = np.asarray(want)
         atol = padded_tol * max(1.0, float(np.abs(want).max())) if padded else tol
         np.testing.assert_allclose(np.asarray(got), want, rtol=tol, atol=atol)
 

@@ -1,4 +1,4 @@
-"""Quickstart: the seed layer, relu(x @ W + b) with 784 -> 100 features on 256 inputs.
+"""Quickstart: one fused layer, relu(x @ W + b) with 784 -> 100 features on 256 inputs.
 
 float16 inputs and weights, a float32 bias, float32 accumulation (COMPUTE_32F). Prints the
 largest error against a float64 reference and, on a GPU, the fused and unfused times.

@@ -1,24 +1,31 @@
-"""The epilog table: activations, compute types, cuBLASLt epilog names and the aux layout.
+"""The epilog table: activations, operand dtypes, compute types and the aux layout.
 
-This module is pure data and arithmetic. It imports neither nvmath nor anything that
-touches a GPU, so the CPU path, the validation and the GPU path all share one truth.
+Pure data and arithmetic: no nvmath, nothing that touches a GPU, so validation, the CPU
+path and the GPU path share one truth. A new activation is a row of ``ACTIVATIONS`` (plus
+its math in ``_reference``); a new operand dtype a row of ``COMPUTE_TYPES``.
 """
 
 from __future__ import annotations
 
 import enum
+import math
 from typing import NamedTuple
 
+import ml_dtypes  # noqa: F401 -- registers bfloat16 (and float8) with NumPy
 import numpy as np
 
 __all__ = [
+    "ACTIVATIONS",
     "Activation",
+    "ActivationRow",
     "ComputeType",
     "EpilogSpec",
     "aux_columns",
     "aux_dtype",
     "aux_padded_width",
+    "buffer_bytes",
     "buffer_elements",
+    "check_buffers",
     "default_compute_type",
     "epilog_name",
     "known_sizes",
@@ -35,6 +42,27 @@ class Activation(str, enum.Enum):
 
     RELU = "relu"
     GELU = "gelu"
+
+
+class ActivationRow(NamedTuple):
+    """How cuBLASLt's epilog handles one activation.
+
+    ``aux_bits``: the aux holds one bit per output (``z > 0``, packed eight to a uint8)
+    instead of ``z`` itself in the epilog's dtype. ``aux_multiple``: cuBLASLt's aux rows
+    hold a multiple of this many columns. ``links``: ``fused_mlp`` may multiply by the
+    derivative inside the next layer's input-gradient GEMM (cuBLASLt's ``D<NAME>`` epilog,
+    reading this aux); ReLU's DRELU measured slower than XLA's ops, so it does not link.
+    """
+
+    aux_bits: bool
+    aux_multiple: int
+    links: bool
+
+
+ACTIVATIONS: dict[Activation, ActivationRow] = {
+    Activation.RELU: ActivationRow(aux_bits=True, aux_multiple=128, links=False),
+    Activation.GELU: ActivationRow(aux_bits=False, aux_multiple=8, links=True),
+}
 
 
 class ComputeType(enum.IntEnum):
@@ -56,32 +84,42 @@ class ComputeType(enum.IntEnum):
 
 
 _CT = ComputeType
-_HALF_32F = (_CT.COMPUTE_32F, _CT.COMPUTE_32F_PEDANTIC)
-# What cuBLASLt runs for each operand dtype (nvmath 1.0's `is_supported` table, less the
-# FP8/complex rows). Keyed by (operand dtype, bias dtype is float32 while operands are half).
-_VALID_COMPUTE_TYPES: dict[tuple[str, bool], tuple[ComputeType, ...]] = {
-    ("float16", False): (*_HALF_32F, _CT.COMPUTE_16F, _CT.COMPUTE_16F_PEDANTIC),
-    # float32 bias with half operands runs with a float32 epilog (see _dense.py): a 16-bit
-    # accumulator cannot feed it.
-    ("float16", True): _HALF_32F,
-    ("bfloat16", False): _HALF_32F,
-    ("bfloat16", True): _HALF_32F,
-    ("float32", False): (
-        *_HALF_32F,
-        _CT.COMPUTE_32F_FAST_TF32,
-        _CT.COMPUTE_32F_FAST_16F,
-        _CT.COMPUTE_32F_FAST_16BF,
-    ),
-    # float64 never reaches cuBLASLt: it runs on XLA's path everywhere (documented).
-    ("float64", False): (_CT.COMPUTE_64F, _CT.COMPUTE_64F_PEDANTIC),
-}
+_32F = (_CT.COMPUTE_32F, _CT.COMPUTE_32F_PEDANTIC)
+_FAST = (_CT.COMPUTE_32F_FAST_TF32, _CT.COMPUTE_32F_FAST_16F, _CT.COMPUTE_32F_FAST_16BF)
 
-SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64")
-HALF_DTYPES = ("float16", "bfloat16")
+
+class DtypeRow(NamedTuple):
+    """One operand dtype: the compute types cuBLASLt runs it with (the first is the
+    default), and those allowed beside a float32 bias (half dtypes only: a 16-bit
+    accumulator cannot feed a float32 epilog). ``fused``: cuBLASLt has epilogs for it
+    (float64 runs on XLA's path everywhere)."""
+
+    compute_types: tuple[ComputeType, ...]
+    with_f32_bias: tuple[ComputeType, ...] = ()
+    fused: bool = True
+
+
+# nvmath 1.0's supported table, less the FP8 and complex rows.
+COMPUTE_TYPES: dict[str, DtypeRow] = {
+    "float16": DtypeRow((*_32F, _CT.COMPUTE_16F, _CT.COMPUTE_16F_PEDANTIC), _32F),
+    "bfloat16": DtypeRow(_32F, _32F),
+    "float32": DtypeRow((*_32F, *_FAST)),
+    "float64": DtypeRow((_CT.COMPUTE_64F, _CT.COMPUTE_64F_PEDANTIC), fused=False),
+}
+SUPPORTED_DTYPES = tuple(COMPUTE_TYPES)
+# The compute types XLA's plain expression reproduces (with Precision.HIGHEST or DEFAULT).
+XLA_COMPUTE_TYPES = (*_32F, _CT.COMPUTE_32F_FAST_TF32, _CT.COMPUTE_64F, _CT.COMPUTE_64F_PEDANTIC)
+HALF_DTYPES = tuple(name for name in COMPUTE_TYPES if COMPUTE_TYPES[name].with_f32_bias)
 
 
 def valid_compute_types(dtype: str, f32_bias: bool) -> tuple[ComputeType, ...]:
-    return _VALID_COMPUTE_TYPES[(dtype, f32_bias)]
+    row = COMPUTE_TYPES[dtype]
+    return row.with_f32_bias if f32_bias else row.compute_types
+
+
+def default_compute_type(dtype: str) -> ComputeType:
+    """32-bit accumulation for half and single precision, 64-bit for double."""
+    return COMPUTE_TYPES[dtype].compute_types[0]
 
 
 def known_sizes(*sizes) -> bool:
@@ -90,20 +128,11 @@ def known_sizes(*sizes) -> bool:
     return all(isinstance(size, int) for size in sizes)
 
 
-def default_compute_type(dtype: str) -> ComputeType:
-    """32-bit accumulation for half and single precision, 64-bit for double."""
-    return _CT.COMPUTE_64F if dtype == "float64" else _CT.COMPUTE_32F
-
-
 def epilog_name(activation: Activation | None, has_bias: bool, with_aux: bool) -> str:
     """The ``cublasLtEpilogue_t`` name (without prefix), e.g. ``"RELU_AUX_BIAS"``."""
     if activation is None:
         return "BIAS" if has_bias else "DEFAULT"
-    parts = [activation.name]
-    if with_aux:
-        parts.append("AUX")
-    if has_bias:
-        parts.append("BIAS")
+    parts = [activation.name, *(["AUX"] if with_aux else []), *(["BIAS"] if has_bias else [])]
     return "_".join(parts)
 
 
@@ -111,60 +140,52 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
+def aux_columns(activation: Activation | str, n: int) -> int:
+    """Columns in a row of the aux for ``n`` outputs: cuBLASLt lays the aux out by D's
+    width, rounded up to ``aux_multiple``; also the widest a fused call's D may be padded
+    to while its aux keeps this layout."""
+    return _round_up(n, ACTIVATIONS[Activation(activation)].aux_multiple)
+
+
 def aux_padded_width(activation: Activation | str, n: int) -> int:
     """Length of the aux's last axis for ``n`` output features.
 
-    cuBLASLt writes D as an (N x M) column-major matrix, so each row of ``y`` is one
-    column of D and one row of the aux:
-      * ReLU: a bit-mask, bit ``j % 8`` of byte ``j // 8`` is ``z[j] > 0``; the row holds
-        ``n`` bits padded to a multiple of 128 bits (cuBLASLt's leading-dimension rule),
-        stored as uint8, so the width is ``round_up(n, 128) // 8`` bytes.
+    Each row of ``y`` is one row of the aux:
+      * ReLU: a bit-mask, bit ``j % 8`` of byte ``j // 8`` is ``z[j] > 0``; ``n`` bits
+        padded to a multiple of 128, stored as uint8: ``round_up(n, 128) // 8`` bytes.
       * GELU: the pre-activation ``z``, padded to a multiple of 8 elements.
     The padding's contents are unspecified.
     """
     columns = aux_columns(activation, n)
-    return columns // 8 if Activation(activation) is Activation.RELU else columns
+    return columns // 8 if ACTIVATIONS[Activation(activation)].aux_bits else columns
 
 
-def aux_columns(activation: Activation | str, n: int) -> int:
-    """The most columns a fused call's D may have (its rows padded for cuBLASLt) while the
-    aux keeps the layout of ``n`` columns (``aux_padded_width``): cuBLASLt lays the aux out
-    by D's width, round_up(width, 8) values of z (GELU) or round_up(width, 128) bits (ReLU)
-    to a row."""
-    return _round_up(n, 128 if Activation(activation) is Activation.RELU else 8)
-
-
-def aux_dtype(activation: Activation, epilog_dtype: np.dtype) -> np.dtype:
-    """uint8 bits for ReLU; GELU keeps ``z`` in the epilog's (D's) dtype."""
-    return np.dtype(np.uint8) if activation is Activation.RELU else np.dtype(epilog_dtype)
+def aux_dtype(activation: Activation, epilog_dtype) -> np.dtype:
+    """uint8 bits, or ``z`` in the epilog's (D's) dtype."""
+    return np.dtype(np.uint8) if ACTIVATIONS[activation].aux_bits else np.dtype(epilog_dtype)
 
 
 class EpilogSpec(NamedTuple):
     """Everything that fixes one cuBLASLt problem, in the GPU's column-major terms.
 
-    ``m``, ``n``, ``k`` are the GEMM's sizes: the layer's, x (m, k) and kernel (k, n),
-    with N and K padded to whole 16-byte rows where the call pads its operands (a half
-    N of 1024 or more in a forward without aux to 128-byte rows: ``_primitive._padded_rows``).
+    ``m``, ``n``, ``k`` are the layer's sizes: x (m, k) and kernel (k, n), with N and K
+    padded to whole rows where the call pads its operands (``_padding.padded_spec``).
     Three problems:
 
     * ``"forward"``: D[n, m] = act(A[n, k] @ B[k, m] + bias[n]) with A = kernel (row-major
       (k, n)) and B = x (row-major (m, k)): no transposes, and the bias runs along D's rows.
-    * ``"wgrad"``: D[n, k] = A[n, m] @ B[k, m]^T with A = dz (row-major (m, n)) and B = x,
-      so D is the row-major (k, n) kernel gradient; with the ``BGRADA`` epilog the same
-      kernel also writes dbias[n] = sum_m A[n, m] (A reduced over the GEMM's inner
-      dimension) into the bias pointer, in D's dtype.
-    * ``"dgrad"``: D[k, m] = dgelu(A[k, n] @ B[n, m], aux) with A = the layer's kernel
-      (row-major (k, n), read transposed) and B = dz (row-major (m, n)), so D is the
-      row-major (m, k) input gradient multiplied by GELU's derivative at the aux: the
-      previous GELU layer's pre-activation in that layer's forward aux layout (row-major
-      (m, round_up(k, 8)), D's dtype). Epilog ``"DGELU"``: it turns this layer's dz into
-      the previous layer's. No bias.
+    * ``"wgrad"``: D[n, k] = A[n, m] @ B[k, m]^T with A = dz (row-major (m, n)) and B = x:
+      the row-major (k, n) kernel gradient; the ``BGRADA`` epilog also writes
+      dbias[n] = sum_m A[n, m] into the bias pointer, in D's dtype.
+    * ``"dgrad"``: D[k, m] = dgelu(A[k, n] @ B[n, m], aux) with A = the kernel (read
+      transposed) and B = dz: the row-major (m, k) input gradient times GELU's derivative
+      at the aux, the previous GELU layer's pre-activation in its forward aux layout
+      (row-major (m, round_up(k, 8)), D's dtype). Epilog ``"DGELU"``, no bias.
 
     A forward problem may be batched over ``members`` (an ensemble: ``vmap`` over stacked
-    weights): one strided-batched GEMM whose member ``e`` reads x[e], kernel[e] and
-    bias[e] and writes D[e] and aux[e], each operand's members contiguous, except the
-    operands named in ``shared`` (comma-separated among "x", "kernel", "bias"), which every
-    member reads whole (batch stride 0).
+    weights): one strided-batched GEMM whose member ``e`` reads x[e], kernel[e], bias[e]
+    and writes D[e] and aux[e], except the operands named in ``shared`` (comma-separated
+    among "x", "kernel", "bias"), which every member reads whole (batch stride 0).
     """
 
     m: int
@@ -189,10 +210,12 @@ class EpilogSpec(NamedTuple):
 
     @property
     def activation(self) -> Activation | None:
-        for act in Activation:
-            if self.epilog.startswith(act.name):
-                return act
-        return None
+        return next((act for act in Activation if self.epilog.startswith(act.name)), None)
+
+    @property
+    def aux_bits(self) -> bool:
+        """Whether the aux is a bit-mask (one byte per eight outputs)."""
+        return self.problem == "forward" and self.has_aux and ACTIVATIONS[self.activation].aux_bits
 
 
 def buffer_elements(s: EpilogSpec) -> tuple[int, int, int, int, int]:
@@ -206,3 +229,35 @@ def buffer_elements(s: EpilogSpec) -> tuple[int, int, int, int, int]:
     sizes = (s.k * s.n, s.m * s.k, s.m * s.n, s.n if s.bias_dtype else 0, aux)
     counts = [1 if s.is_shared(o) else s.members for o in ("kernel", "x", "d", "bias", "aux")]
     return tuple(size * count for size, count in zip(sizes, counts))
+
+
+def buffer_bytes(s: EpilogSpec) -> tuple[int, int, int, int, int]:
+    """Bytes of A, B, D, the bias and the aux of problem ``s``, all members'."""
+    ab, d = np.dtype(s.ab_dtype).itemsize, np.dtype(s.d_dtype).itemsize
+    bias = np.dtype(s.bias_dtype).itemsize if s.bias_dtype else 0
+    aux = 1 if s.aux_bits else d  # bits, or z in D's dtype
+    return tuple(count * size for count, size in zip(buffer_elements(s), (ab, ab, d, bias, aux)))
+
+
+# Which of buffer_elements' (A, B, D, bias, aux) each problem's operands and results are.
+_BUFFERS = {
+    "forward": ((1, 0, 3), (2, 4)),  # (x, kernel[, bias]) -> (D[, aux])
+    "wgrad": ((1, 0), (2, 3)),  # (x, dz) -> (dkernel[, dbias])
+    "dgrad": ((1, 0, 4), (2,)),  # (dz, kernel, aux) -> (dx,)
+}
+
+
+def check_buffers(operand_shapes, result_shapes, spec: EpilogSpec) -> None:
+    """Raise unless a custom call's buffers (by shape) are exactly those ``spec``'s GEMM
+    reads and writes: the FFI handler trusts its problem and checks no size at run time."""
+    sizes = buffer_elements(spec)
+    for role, buffers, wanted in zip(
+        ("operands", "results"), (operand_shapes, result_shapes), _BUFFERS[spec.problem]
+    ):
+        got = [math.prod(shape) for shape in buffers]
+        want = [sizes[i] for i in wanted][: len(got)]
+        if got != want or any(sizes[i] for i in wanted[len(got) :]):
+            raise RuntimeError(
+                f"jax_epilog bug: the custom call for {spec} was given {role} of {got} elements, "
+                f"where its GEMM needs {[sizes[i] for i in wanted if sizes[i]]}"
+            )

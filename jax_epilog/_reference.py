@@ -2,19 +2,22 @@
 
 Numerics follow cuBLASLt's epilog: the product is accumulated in the compute type,
 bias and activation are applied in the epilog's precision (float32 for 32-bit compute
-types) and the result is rounded once to the output dtype (cuBLASLt's epilog on a GPU may
-round slightly more; see ``fused_dense``). The aux uses exactly the
-padded layout the GPU kernel writes (see ``_epilogs.aux_padded_width``).
+types) and the result is rounded once to the output dtype. The aux has exactly the
+padded layout the GPU kernel writes (``_epilogs.aux_padded_width``). Each activation's
+math is one entry of ``_FUNCTIONS``; how its aux is stored comes from the epilog table.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._epilogs import HALF_DTYPES, Activation, ComputeType, aux_dtype, aux_padded_width
-from ._sharding import explicit_product, resharded_like
+from ._epilogs import ACTIVATIONS, HALF_DTYPES, Activation, ComputeType, aux_dtype, aux_padded_width
+from ._padding import pad_to
+from ._typing import explicit_product, resharded_like
 
 __all__ = [
     "activate",
@@ -24,27 +27,20 @@ __all__ = [
     "input_grad",
     "output_grad",
     "pack_relu_mask",
-    "pad_to",
     "plain",
     "plain_preactivation",
     "unpack_relu_mask",
     "weight_grad",
 ]
 
+_FUNCTIONS = {
+    Activation.RELU: jax.nn.relu,
+    Activation.GELU: functools.partial(jax.nn.gelu, approximate=True),  # cuBLASLt's GELU
+}
+
 
 def activate(z: jax.Array, activation: Activation | None) -> jax.Array:
-    if activation is None:
-        return z
-    if activation is Activation.RELU:
-        return jax.nn.relu(z)
-    return jax.nn.gelu(z, approximate=True)
-
-
-def pad_to(value: jax.Array, *sizes: int) -> jax.Array:
-    """``value`` with zeros appended to its last ``len(sizes)`` dimensions up to ``sizes``."""
-    lead = value.ndim - len(sizes)
-    widths = [(0, 0)] * lead + [(0, want - have) for have, want in zip(value.shape[lead:], sizes, strict=True)]
-    return jnp.pad(value, widths) if any(w for _, w in widths) else value
+    return z if activation is None else _FUNCTIONS[activation](z)
 
 
 def pack_relu_mask(z: jax.Array) -> jax.Array:
@@ -54,7 +50,17 @@ def pack_relu_mask(z: jax.Array) -> jax.Array:
 
 
 def unpack_relu_mask(mask: jax.Array, n: int) -> jax.Array:
-    """Inverse of ``pack_relu_mask``: a bool array of shape (..., n)."""
+    """The bool array ``z > 0`` of shape (..., n) from a ReLU layer's aux (its bit-mask).
+
+    Args:
+      mask: the uint8 aux of ``fused_dense(..., activation="relu", return_aux=True)``.
+      n: the layer's output features N.
+    """
+    if np.dtype(mask.dtype) != np.uint8:
+        raise TypeError(
+            f"unpack_relu_mask: mask has dtype {np.dtype(mask.dtype).name}; it takes the uint8 "
+            "bit-mask a ReLU layer returns as its aux (a GELU layer's aux is z itself, no mask)."
+        )
     if not 0 <= n <= mask.shape[-1] * 8:
         raise ValueError(
             f"unpack_relu_mask: n={n} does not fit a mask of shape {mask.shape} "
@@ -75,11 +81,9 @@ def _epilog_dtype(ab_dtype: np.dtype, compute_type: ComputeType | None) -> np.dt
 
 # COMPUTE_32F_FAST_16F / _16BF / _TF32 allow cuBLASLt to convert float32 operands to
 # float16, bfloat16 or TF32 (float32's exponent, 10 mantissa bits) for its tensor cores,
-# accumulating in float32. Where no GPU runs the GEMM (the CPU path), the reference rounds
-# the operands so (to nearest): the least precise result the compute type allows. On the
-# H200 cuBLASLt rounded them so at 1000x1024->1000 for TF32 and 16F, took TF32 for 16BF,
-# and kept float32 at 33x129->65 (benchmarks/results/2026-12-04-h200-aa-*); on a GPU the
-# reference's own GEMMs run at XLA's DEFAULT precision (TF32), as before.
+# accumulating in float32; it may also keep more bits. Where no GPU runs the GEMM (the CPU
+# path), the reference rounds the operands so (to nearest): the least precise result the
+# compute type allows. On a GPU the reference's own GEMMs run at XLA's DEFAULT precision.
 _FAST_FORMATS = {
     ComputeType.COMPUTE_32F_FAST_16F: jnp.float16,
     ComputeType.COMPUTE_32F_FAST_16BF: jnp.bfloat16,
@@ -122,12 +126,10 @@ def _matmul(
 
     Half operands with the default COMPUTE_32F and a result in their own dtype ask XLA for
     that dtype directly, as its autodiff of the plain expression does: its GEMMs still
-    accumulate in float32 and round at the end, but write half the bytes. Asked for a
-    float32 product to be cast after, XLA wrote it in float32 and converted it in a kernel
-    of its own, or picked a slower GEMM (on the H200 at 8192x4096->16384 and ->1024,
-    +48 and +17 µs per dx: benchmarks/README.md (r)). XLA may then sum split-K partial
-    products in the output dtype, as in its own backward; COMPUTE_32F_PEDANTIC keeps the
-    float32 product.
+    accumulate in float32 and round at the end, but write half the bytes (asked for a
+    float32 product to cast after, XLA writes it in float32 and converts it in a kernel of
+    its own, or picks a slower GEMM). XLA may then sum split-K partial products in the
+    output dtype, as in its own backward; COMPUTE_32F_PEDANTIC keeps the float32 product.
 
     Under explicit sharding a product says how it is split (as the dimensions it keeps
     are): one summed over a split dimension (the rows in the kernel gradient, N in dx)
@@ -135,7 +137,9 @@ def _matmul(
     out_sharding = explicit_product(a, b, contract)
     dims = (contract, ((), ()))
     if compute_type is None:
-        product = jax.lax.dot_general(a, b, dims, precision=_plain_precision(a.dtype), out_sharding=out_sharding)
+        product = jax.lax.dot_general(
+            a, b, dims, precision=_plain_precision(a.dtype), out_sharding=out_sharding
+        )
         return product if out_dtype is None else product.astype(out_dtype)
     fast = compute_type in _FAST_FORMATS
     if fast:
@@ -205,11 +209,12 @@ def dense(
     d = activate(z, activation).astype(d_dtype)
     aux = None
     if with_aux and activation is not None:
-        n = kernel.shape[1]
-        if activation is Activation.RELU:
+        if ACTIVATIONS[activation].aux_bits:
             aux = pack_relu_mask(z)
         else:
-            aux = pad_to(z.astype(aux_dtype(activation, d_dtype)), aux_padded_width(activation, n))
+            aux = pad_to(
+                z.astype(aux_dtype(activation, d_dtype)), aux_padded_width(activation, kernel.shape[1])
+            )
     return d, aux
 
 
@@ -231,9 +236,9 @@ def output_grad(
     n = dy.shape[-1]
     acc = _epilog_dtype(np.dtype(operand_dtype), compute_type)
     dz = dy.astype(acc)
-    if activation is Activation.RELU:
+    if activation is not None and ACTIVATIONS[activation].aux_bits:  # the derivative is 0 or 1
         dz = jnp.where(unpack_relu_mask(aux, n), dz, jnp.zeros((), acc))
-    elif activation is Activation.GELU:
+    elif activation is not None:  # the aux is z
         z = resharded_like(aux[..., :n].astype(acc), dy)  # (typed as dy: a whole aux beside split columns)
         dz = jax.vjp(lambda z: activate(z, activation), z)[1](dz)[0]
     if dz_extra is not None:

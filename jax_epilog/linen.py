@@ -80,7 +80,6 @@ gradient inside the next layer's GEMM (see :func:`jax_epilog.fused_mlp`).
 
 from __future__ import annotations
 
-import enum
 from typing import Any
 
 try:
@@ -90,80 +89,14 @@ try:
 except ImportError as _exc:  # pragma: no cover - exercised by a subprocess test
     raise ImportError(f"jax_epilog.linen needs Flax: pip install 'jax_epilog[flax]' ({_exc})") from _exc
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 
 from ._dense import fused_dense
-from ._epilogs import Activation, ComputeType
+from ._epilogs import Activation
+from ._flax import check_layer_options, resolve_compute_type
 from ._mlp import fused_mlp
 
 __all__ = ["FusedDense", "FusedMLP"]
-
-# Compute types below what each precision asks for. HIGH is also spelled "tensorfloat32" in
-# JAX, so it admits TF32 products, but not 16-bit ones; HIGHEST admits only full precision.
-_BELOW_HIGH = frozenset(
-    {
-        ComputeType.COMPUTE_16F,
-        ComputeType.COMPUTE_16F_PEDANTIC,
-        ComputeType.COMPUTE_32F_FAST_16F,
-        ComputeType.COMPUTE_32F_FAST_16BF,
-    }
-)
-_TOO_LOW = {
-    jax.lax.Precision.HIGH: _BELOW_HIGH,
-    jax.lax.Precision.HIGHEST: _BELOW_HIGH | {ComputeType.COMPUTE_32F_FAST_TF32},
-}
-
-
-def _precision_enum(value, owner: str) -> jax.lax.Precision:
-    if isinstance(value, jax.lax.Precision):
-        return value
-    if isinstance(value, str):
-        try:
-            return jax.lax.Precision(value)
-        except ValueError:
-            pass
-    raise ValueError(
-        f"{owner}: precision {value!r} is not supported; fused_dense takes a cuBLAS compute "
-        "type instead of a jax.lax.Precision: use precision=None (or DEFAULT, HIGH, HIGHEST) "
-        "and pick the accumulation with compute_type=..."
-    )
-
-
-def _resolve_compute_type(precision, compute_type, dtype, owner: str):
-    """The ``compute_type`` to pass to ``fused_dense`` for a layer's ``precision``.
-
-    ``dtype`` is the promoted operand dtype. Raises ValueError for a precision the fused
-    kernel cannot honour; leaves the validation of ``compute_type`` itself to fused_dense.
-    """
-    if precision is None:
-        return compute_type
-    if isinstance(precision, (tuple, list)):
-        if len(precision) != 2:
-            raise ValueError(f"{owner}: precision {precision!r} must be one value or a pair.")
-        lhs, rhs = (_precision_enum(p, owner) for p in precision)
-        if lhs != rhs:
-            raise ValueError(
-                f"{owner}: precision {precision!r} asks for different precisions for the "
-                "inputs and the kernel; the fused kernel has one compute type for both."
-            )
-        prec = lhs
-    else:
-        prec = _precision_enum(precision, owner)
-    if prec == jax.lax.Precision.DEFAULT or compute_type is None:
-        # HIGH/HIGHEST without a compute type: the default (COMPUTE_32F, or COMPUTE_64F for
-        # float64) accumulates at full precision, at least what either asks for.
-        return compute_type
-    name = compute_type if isinstance(compute_type, str) else getattr(compute_type, "name", None)
-    known = isinstance(compute_type, (str, enum.Enum)) and name in ComputeType.__members__
-    if known and ComputeType[name] in _TOO_LOW[prec]:
-        raise ValueError(
-            f"{owner}: precision={prec.name} asks for more accurate products than "
-            f"compute_type={name} gives ({name} computes at reduced precision for "
-            f"{np.dtype(dtype).name} operands); drop one of the two."
-        )
-    return compute_type
 
 
 class FusedDense(nn.Module):
@@ -202,6 +135,10 @@ class FusedDense(nn.Module):
     compute_type: Any = None
     implementation: str = "auto"
 
+    def __post_init__(self):
+        check_layer_options(self.activation, self.implementation, "FusedDense")
+        super().__post_init__()
+
     @nn.compact
     def __call__(self, inputs):
         """Applies ``act(inputs @ kernel + bias)`` along the last dimension of ``inputs``."""
@@ -212,7 +149,7 @@ class FusedDense(nn.Module):
             self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
         )
         inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
-        compute_type = _resolve_compute_type(self.precision, self.compute_type, inputs.dtype, "FusedDense")
+        compute_type = resolve_compute_type(self.precision, self.compute_type, inputs.dtype, "FusedDense")
         return fused_dense(
             inputs, kernel, bias, activation=self.activation, compute_type=compute_type,
             implementation=self.implementation,
@@ -231,7 +168,9 @@ class _DenseParams(nn.Module):
     @nn.compact
     def __call__(self, in_features: int):
         kernel = self.param("kernel", self.kernel_init, (in_features, self.features), self.param_dtype)
-        bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
+        bias = (
+            self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
+        )
         return kernel, bias
 
 
@@ -262,6 +201,11 @@ class FusedMLP(nn.Module):
     compute_type: Any = None
     implementation: str = "auto"
 
+    def __post_init__(self):
+        for activation in self.activations:
+            check_layer_options(activation, self.implementation, "FusedMLP")
+        super().__post_init__()
+
     @nn.compact
     def __call__(self, inputs):
         features = tuple(self.features)
@@ -277,7 +221,7 @@ class FusedMLP(nn.Module):
             in_features = width
         promoted = [self.promote_dtype(inputs, kernel, bias, dtype=self.dtype) for kernel, bias in layers]
         x = promoted[0][0]
-        compute_type = _resolve_compute_type(self.precision, self.compute_type, x.dtype, "FusedMLP")
+        compute_type = resolve_compute_type(self.precision, self.compute_type, x.dtype, "FusedMLP")
         return fused_mlp(
             x, [(kernel, bias) for _, kernel, bias in promoted], self.activations,
             compute_type=compute_type, implementation=self.implementation,

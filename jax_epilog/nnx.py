@@ -64,8 +64,8 @@ import jax.numpy as jnp
 
 from ._dense import fused_dense
 from ._epilogs import Activation
+from ._flax import check_layer_options, resolve_compute_type
 from ._mlp import fused_mlp
-from .linen import _resolve_compute_type
 
 __all__ = ["FusedLinear", "FusedMLP"]
 
@@ -112,6 +112,7 @@ class FusedLinear(nnx.Module):
         compute_type: Any = None,
         implementation: str = "auto",
     ):
+        check_layer_options(activation, implementation, "FusedLinear")
         kernel_key = rngs.params()
         self.kernel = nnx.Param(
             kernel_init(kernel_key, (in_features, out_features), param_dtype), **kernel_metadata
@@ -139,7 +140,7 @@ class FusedLinear(nnx.Module):
         kernel = self.kernel[...]
         bias = self.bias[...] if self.bias is not None else None
         inputs, kernel, bias = self.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
-        compute_type = _resolve_compute_type(self.precision, self.compute_type, inputs.dtype, "FusedLinear")
+        compute_type = resolve_compute_type(self.precision, self.compute_type, inputs.dtype, "FusedLinear")
         return fused_dense(
             inputs, kernel, bias, activation=self.activation, compute_type=compute_type,
             implementation=self.implementation,
@@ -164,6 +165,8 @@ class FusedMLP(nnx.Module):
 
     def __init__(self, features, activations, *, rngs: nnx.Rngs, **kwargs):
         features, activations = tuple(features), tuple(activations)
+        for activation in activations:
+            check_layer_options(activation, kwargs.get("implementation", "auto"), "FusedMLP")
         if len(features) != len(activations) + 1:
             raise ValueError(
                 f"FusedMLP: features {features} must hold the input width and one width per "
@@ -182,6 +185,8 @@ class FusedMLP(nnx.Module):
             bias = layer.bias[...] if layer.bias is not None else None
             x, kernel, bias = layer.promote_dtype((inputs, layer.kernel[...], bias), dtype=layer.dtype)
             layers.append((kernel, bias))
-        compute_type = _resolve_compute_type(first.precision, first.compute_type, x.dtype, "FusedMLP")
+        compute_type = resolve_compute_type(first.precision, first.compute_type, x.dtype, "FusedMLP")
         activations = [layer.activation for layer in self.layers]
-        return fused_mlp(x, layers, activations, compute_type=compute_type, implementation=first.implementation)
+        return fused_mlp(
+            x, layers, activations, compute_type=compute_type, implementation=first.implementation
+        )

@@ -1,15 +1,26 @@
+import functools
 import os
 import secrets
 import zlib
 
 # Four virtual CPU devices for the tests that split fused_dense over several devices
-# (test_sharding.py). XLA reads the flag when jax starts; it changes nothing for the GPU.
+# (test_partition.py). XLA reads the flag when jax starts; it changes nothing for the GPU.
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4".strip()
+    os.environ["XLA_FLAGS"] = (
+        f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4".strip()
+    )
 
 import jax  # (after XLA_FLAGS)
 import numpy as np
 import pytest
+from jax.interpreters import mlir
+
+from jax_epilog import _reference, _warnings
+from jax_epilog._epilogs import ComputeType, check_buffers
+from jax_epilog._partition import partitioned_lowering
+from jax_epilog.cuda import ffi
+from jax_epilog.primitives import forward, gelu_input_grad, members, weight_grad
+from jax_epilog.primitives._base import _with_rows_folded
 
 jax.config.update("jax_enable_x64", True)
 
@@ -34,6 +45,8 @@ def pytest_collection_modifyitems(config, items):
 
 
 SEED = int(os.environ.get("JAX_EPILOG_TEST_SEED", secrets.randbits(32)))
+# pytest-xdist's workers inherit the environment: each draws this process's seed.
+os.environ["JAX_EPILOG_TEST_SEED"] = str(SEED)
 
 
 def _seed_line() -> str:
@@ -55,3 +68,94 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 def rng(request):
     """Fresh random data for each test and each run; the header prints the seed to replay."""
     return np.random.default_rng([SEED, zlib.crc32(request.node.nodeid.encode())])
+
+
+# ------------------------------------------------- the CUDA lowerings, on any machine
+
+
+@pytest.fixture
+def cublaslt_accepts(monkeypatch):
+    """cuBLASLt accepting every problem at lowering (``cuda.ffi.prepare`` stands in for
+    planning), so that a program lowered for "cuda" here holds the fused custom calls."""
+    monkeypatch.setattr(ffi, "prepare", lambda spec: None)
+
+
+@pytest.fixture
+def fresh_warnings():
+    """Each warning's once-per-reason memory emptied, before and after the test."""
+    _warnings.warn_once.cache_clear()
+    yield
+    _warnings.warn_once.cache_clear()
+
+
+# (primitive, its CUDA lowering, its reference math, its layout)
+_RULES = [
+    (forward.fused_matmul_p, forward._cuda, forward.reference, forward.layout),
+    (weight_grad.fused_weight_grad_p, weight_grad._cuda, weight_grad.reference, weight_grad._layout),
+    (
+        gelu_input_grad.fused_gelu_input_grad_p,
+        gelu_input_grad._cuda,
+        gelu_input_grad.reference,
+        gelu_input_grad._layout,
+    ),
+    (members.members_p, members._cuda, members._member_loop, members._layout),
+]
+
+
+@pytest.fixture
+def cuda_lowerings_on_cpu(cublaslt_accepts):
+    """The primitives' CUDA lowerings registered for the CPU, cuBLASLt accepting every
+    problem: each pads its operands to the problem's rows, folds its rows' leading
+    dimensions and emits ``ffi.call`` (route it with ``reference_calls``, or use float64
+    operands, which the lowerings hand to the reference math as on a GPU). Restored after."""
+    for primitive, cuda, _, layout in _RULES:
+        lowering = _with_rows_folded(cuda, layout)
+        mlir.register_lowering(primitive, partitioned_lowering(primitive, lowering, layout), platform="cpu")
+    yield
+    for primitive, _, reference, layout in _RULES:
+        cpu = mlir.lower_fun(reference, multiple_results=True)
+        mlir.register_lowering(primitive, partitioned_lowering(primitive, cpu, layout), platform="cpu")
+
+
+def _reference_call(seen: list, operands, results, spec):
+    """The custom call's results from its problem's reference math on the operands it is
+    handed, whose shapes must be the problem's (padded) sizes, as ``ffi.call`` checks
+    them. Appends ``spec`` to ``seen``."""
+    check_buffers([o.shape for o in operands], [r.shape for r in results], spec)
+    seen.append(spec)
+    ct = ComputeType[spec.compute_type]
+    d_dtype = results[0].dtype
+    if spec.problem == "wgrad":
+        x, dz = operands
+        assert (x.shape[-1], dz.shape[-1]) == (spec.k, spec.n)
+        outs = _reference.weight_grad(x, dz, ct, d_dtype, with_bias=True)
+    elif spec.problem == "dgrad":
+        dz, kernel, aux = operands
+        assert (dz.shape[-1], kernel.shape) == (spec.n, (spec.k, spec.n))
+        outs = [_reference.gelu_input_grad(dz, kernel, aux, ct)]
+    else:
+        x, kernel, *bias = operands
+        assert (x.shape[-1], kernel.shape[-2:]) == (spec.k, (spec.k, spec.n))
+        assert all(b.shape[-1] == spec.n for b in bias)
+
+        def one(x, kernel, *bias):
+            return _reference.dense(
+                x, kernel, bias[0] if bias else None, spec.activation, ct, d_dtype, spec.has_aux
+            )
+
+        if spec.members > 1:
+            names = ("x", "kernel", "bias")[: len(operands)]
+            one = jax.vmap(one, in_axes=[None if spec.is_shared(name) else 0 for name in names])
+        d, aux = one(x, kernel, *bias)
+        outs = [d] if aux is None else [d, aux]
+    assert [(o.shape, o.dtype) for o in outs] == [(r.shape, r.dtype) for r in results]
+    return list(outs)
+
+
+@pytest.fixture
+def reference_calls(monkeypatch, cuda_lowerings_on_cpu):
+    """The CUDA lowerings on the CPU (``cuda_lowerings_on_cpu``), each custom call routed
+    to its problem's reference math; returns the list of the problems called, in order."""
+    seen: list = []
+    monkeypatch.setattr(ffi, "call", functools.partial(_reference_call, seen))
+    return seen

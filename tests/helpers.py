@@ -1,7 +1,8 @@
-"""Shared test helpers: activations and dtypes by name (test_grad.py), ReLU's derivative
-from the op's own mask near the kink (test_grad.py, test_gpu.py), and comparing a fused
-layer with its Flax twin (test_linen.py, test_nnx.py), the GEMMs in a jaxpr (test_mlp.py,
-test_bench_suite.py). No Flax import here."""
+"""Shared test helpers: activations and dtypes by name, ReLU's derivative from the op's own
+mask near the kink (test_dense.py and the GPU tests), comparing a fused layer with its
+Flax twin (test_linen.py, test_nnx.py), the GEMMs and primitives in a jaxpr, and the
+custom calls of a program lowered for "cuda" (tests/primitives/, test_padding.py). No
+Flax import here."""
 
 from __future__ import annotations
 
@@ -15,12 +16,18 @@ import numpy as np
 from tolerances import epilog_slack, tolerance
 
 import jax_epilog
+from jax_epilog.cuda.ffi import TARGET_NAME
 
 ACTIVATIONS = [None, "relu", "gelu"]
 # An ensemble: vmap over stacked weights. Which of (x, kernel, bias) are per member (0) or
-# shared (None) (test_lowering.py, test_gpu.py).
+# shared (None) (tests/primitives/test_members.py).
 ENSEMBLES = {"all per member": (0, 0, 0), "x shared": (None, 0, 0), "kernel shared": (0, None, 0), "bias shared": (0, 0, None)}  # fmt: skip
 ON_GPU = jax.default_backend() == "gpu"
+# The primitives' names in a jaxpr.
+FUSED = "jax_epilog_fused_matmul"
+WEIGHT_GRAD = "jax_epilog_fused_weight_grad"
+GELU_INPUT_GRAD = "jax_epilog_fused_gelu_input_grad"
+MEMBERS = "jax_epilog_members"
 # Largest error allowed, relative to the reference's largest entry (and elementwise rtol).
 # On a GPU the twin's float32 matmuls may run in TF32 (XLA's DEFAULT precision) and
 # cuBLASLt's GELU epilog uses a fast tanh (~2**-11 relative, tolerances.epilog_slack).
@@ -66,7 +73,10 @@ def reference_relu_mask(x, w, b, dtype, epilog_dtype=None):
     clear = relu_clear(z, dtype, w.shape[0], slack=epilog_slack(epilog_dtype or dtype, z, b))
     if z.size >= 64:  # the check must not pass vacuously
         assert clear.mean() > 0.9, f"only {clear.mean():.2%} of signs are clear of rounding"
-    _, aux = jax_epilog.fused_dense(x, w, b, activation="relu", return_aux=True, implementation="cublaslt")
+    layer = functools.partial(
+        jax_epilog.fused_dense, activation="relu", return_aux=True, implementation="cublaslt"
+    )
+    _, aux = jax.jit(layer)(x, w, b)
     op_mask = np.asarray(jax_epilog.unpack_relu_mask(aux, w.shape[1]), bool)
     mismatch = (op_mask != (z > 0)) & clear
     assert not mismatch.any(), (
@@ -151,7 +161,69 @@ def assert_relatively_close(got, want, tol: float, what: str, scale: float | Non
     assert err <= tol, f"{what}: largest error {err:.3g} of {scale:.3g} > {tol}"
 
 
+def np_gelu(z):
+    """cuBLASLt's GELU (the tanh approximation) in NumPy."""
+    return 0.5 * z * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (z + 0.044715 * z**3)))
+
+
+def oracle(x, w, b, activation):
+    """``(act(z), z)`` in float64 from the *cast* inputs, z = x @ w + b."""
+    z = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    if b is not None:
+        z = z + np.asarray(b, np.float64)
+    if activation is None:
+        return z, z
+    if activation == "relu":
+        return np.maximum(z, 0.0), z
+    return np_gelu(z), z
+
+
+# The GPU tests' tolerances, relative to the output's scale (their inputs are O(1), the
+# kernels scaled by 1/sqrt(K)).
+GPU_TOL = {"float16": 4e-3, "bfloat16": 3e-2, "float32": 2e-5, "tf32": 4e-3}
+
+
+def assert_scaled_close(y, expected, tol):
+    """``|y - expected| <= tol * (max(1, max|expected|) + |expected|)`` elementwise."""
+    y, expected = np.asarray(y, np.float64), np.asarray(expected, np.float64)
+    scale = max(1.0, float(np.abs(expected).max(initial=0.0)))
+    np.testing.assert_allclose(y, expected, rtol=tol, atol=tol * scale)
+
+
+def device_array(a, dtype: str, shape, strides):
+    """A CuPy view (GPU tests) of ``a``'s values in ``dtype`` with the given shape and
+    element strides, built from raw bytes (CuPy cannot take bfloat16 through a typestr)."""
+    import cupy as cp
+
+    dt = np_dtype(dtype)
+    host = np.ascontiguousarray(np.asarray(a, dt))
+    raw = cp.asarray(host.view(np.uint8))
+    return cp.ndarray(shape, dt, raw.data, tuple(s * dt.itemsize for s in strides))
+
+
+def jaxpr_text(f, *args) -> str:
+    """f's jaxpr as text, traced now (a new function each time: JAX caches a function's
+    trace by its identity, so a function traced before an ``override_policy`` block would
+    keep the program of the policy it was traced with)."""
+    return str(jax.make_jaxpr(lambda *a: f(*a))(*args))
+
+
 def dot_shapes(f, *args) -> list[tuple[int, ...]]:
     """The result shapes of f's dot_general ops (XLA's GEMMs) in its jaxpr, in order."""
-    found = re.findall(r"\w+\[([\d,]+)\] = dot_general", str(jax.make_jaxpr(f)(*args)))
+    found = re.findall(r"\w+\[([\d,]+)\] = dot_general", jaxpr_text(f, *args))
     return [tuple(map(int, shape.split(","))) for shape in found]
+
+
+def cuda_text(f, *args) -> str:
+    """f lowered for platform "cuda" (on any machine), as StableHLO text; traced now."""
+    return jax.jit(lambda *a: f(*a)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def custom_calls(text: str) -> list[str]:
+    """The lines of ``text`` (``cuda_text``) that call jax_epilog's custom call."""
+    return re.findall(rf"stablehlo.custom_call @{TARGET_NAME}\(.*", text)
+
+
+def problems(text: str) -> list[str]:
+    """The problem ("forward", "wgrad", "dgrad") of each custom call in ``text``."""
+    return [re.search(r'problem = "(\w+)"', call)[1] for call in custom_calls(text)]

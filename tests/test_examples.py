@@ -109,6 +109,10 @@ def test_train_transformer_mlp(rng, capsys):
     # FusedMLP: FusedDense's parameters and values; only its backward's rounding differs.
     assert result["mlp"]["losses"][0] == result["fused"]["losses"][0]
     np.testing.assert_allclose(result["mlp"]["losses"], result["fused"]["losses"], rtol=2e-2)
-    assert set(result["speedup"]) == {"mlp", "fused"} and min(result["speedup"].values()) > 0
     out = capsys.readouterr().out
-    assert "FusedDense step time speed-up" in out and "FusedMLP step time speed-up" in out
+    if ON_GPU:  # the speed-ups over nn.Dense, measured
+        assert set(result["speedup"]) == {"mlp", "fused"} and min(result["speedup"].values()) > 0
+        assert "FusedDense step time speed-up" in out and "FusedMLP step time speed-up" in out
+    else:  # no kernel ran: no speed-up is claimed
+        assert "speedup" not in result and "speed-up over" not in out
+        assert "No cuBLASLt kernel ran" in out

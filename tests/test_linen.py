@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from helpers import (
     ACTIVATIONS,
+    FUSED,
     GRAD_TOL,
     TOL,
     act_fn,
@@ -24,6 +25,7 @@ from helpers import (
     assert_same_tree,
     draw_x,
     grad_tol,
+    jaxpr_text,
     perturb,
 )
 
@@ -32,6 +34,7 @@ serialization = pytest.importorskip("flax.serialization")
 optax = pytest.importorskip("optax")
 
 from jax_epilog.linen import FusedDense as _FusedDense
+from jax_epilog.linen import FusedMLP
 
 # The layer tests exercise the fused op itself ("cublaslt": the kernel on a GPU, the
 # reference math on a CPU); "auto" would pick XLA's plain expression for these sizes.
@@ -54,9 +57,14 @@ def value_and_grads(apply, params, x, ct):
     return y, dparams, dx
 
 
-@pytest.mark.parametrize("use_bias", [True, False])
-@pytest.mark.parametrize("activation", ACTIVATIONS)
-@pytest.mark.parametrize("x_shape", [(11, 19), (2, 5, 19)], ids=["2d", "3d"])
+@pytest.mark.parametrize(
+    "activation, use_bias, x_shape",
+    [
+        (act, i % 2 == 0, shape)
+        for i, (act, shape) in enumerate((a, s) for a in ACTIVATIONS for s in [(11, 19), (2, 5, 19)])
+    ],
+    ids=str,
+)
 def test_matches_dense_float32(rng, activation, use_bias, x_shape):
     key = jax.random.key(int(rng.integers(2**31)))
     features = 13
@@ -87,10 +95,20 @@ def test_matches_dense_float32(rng, activation, use_bias, x_shape):
         assert_near(dparams["params"][name], dparams_ref["params"][name], GRAD_TOL["float32"], name)
 
 
-@pytest.mark.parametrize("activation", ACTIVATIONS)
-@pytest.mark.parametrize("param_dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("dtype", [None, "float32", "bfloat16", "float16"])
-@pytest.mark.parametrize("x_dtype", ["float32", "bfloat16"])
+# Every (x_dtype, dtype, param_dtype) once, the activation in turn: the promotion rules do
+# not depend on it.
+DTYPE_CASES = [
+    (x_dtype, dtype, param_dtype, ACTIVATIONS[i % 3])
+    for i, (x_dtype, dtype, param_dtype) in enumerate(
+        (x, d, p)
+        for x in ("float32", "bfloat16")
+        for d in (None, "float32", "bfloat16", "float16")
+        for p in ("float32", "bfloat16")
+    )
+]
+
+
+@pytest.mark.parametrize("x_dtype, dtype, param_dtype, activation", DTYPE_CASES, ids=str)
 def test_dtypes_match_dense(rng, x_dtype, dtype, param_dtype, activation):
     key = jax.random.key(int(rng.integers(2**31)))
     kwargs = {"features": 23, "dtype": dtype, "param_dtype": param_dtype}
@@ -106,7 +124,8 @@ def test_dtypes_match_dense(rng, x_dtype, dtype, param_dtype, activation):
     ct = rng.standard_normal((15, 23)).astype(np.float32)
 
     layer = FusedDense(**kwargs, activation=activation)
-    y, dparams, dx = value_and_grads(layer.apply, params, x, ct)  # eager: fast to run, jit is tested above
+    # Eager: every case has the same shapes, so the cases share each op's compilation.
+    y, dparams, dx = value_and_grads(layer.apply, params, x, ct)
     y_ref, dparams_ref, dx_ref = value_and_grads(ref_apply, params, x, ct)
     assert y.dtype == y_ref.dtype == compute
     assert dx.dtype == dx_ref.dtype == x.dtype
@@ -161,6 +180,7 @@ def test_precision_accepted(rng, precision):
         ("high", "COMPUTE_32F_FAST_16BF", "reduced precision"),
         ("float32", "COMPUTE_32F_FAST_16F", "reduced precision"),
         ((jax.lax.Precision.HIGH, jax.lax.Precision.HIGHEST), None, "different precisions"),
+        (("highest",) * 3, None, "must be one value or a pair"),
         (jax.lax.DotAlgorithmPreset.BF16_BF16_F32, None, "not supported"),
         ("bogus", None, "not supported"),
     ],
@@ -184,21 +204,64 @@ def test_compute_type(rng):
         FusedDense(3, compute_type="COMPUTE_64F").apply(params, x)
 
 
-def test_unsupported_fields_and_activation():
-    with pytest.raises(TypeError):
+def test_unsupported_fields():
+    with pytest.raises(TypeError, match="dot_general"):
         FusedDense(3, dot_general=jax.lax.dot_general)
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="dot_general_cls"):
         FusedDense(3, dot_general_cls=object)
-    with pytest.raises(ValueError, match="unknown activation"):
-        FusedDense(3, activation="tanh").init(jax.random.key(0), jnp.ones((2, 4), jnp.float32))
 
 
-def test_forward_mode_raises():
+@pytest.mark.parametrize(
+    "make, error, match",
+    [
+        (lambda: _FusedDense(4, activation="swish"), ValueError, "FusedDense: unknown activation 'swish'"),
+        (
+            lambda: _FusedDense(4, activation=jax.nn.relu),
+            TypeError,
+            "FusedDense: activation must be a name, not a function",
+        ),
+        (
+            lambda: _FusedDense(4, implementation="fast"),
+            ValueError,
+            "FusedDense: unknown implementation 'fast'",
+        ),
+        (lambda: FusedMLP((8, 4), ("gelu", "swish")), ValueError, "FusedMLP: unknown activation 'swish'"),
+        (
+            lambda: FusedMLP((8, 4), ("gelu", None), implementation="fast"),
+            ValueError,
+            "FusedMLP: unknown implementation 'fast'",
+        ),
+    ],
+    ids=[
+        "dense-activation",
+        "dense-function",
+        "dense-implementation",
+        "mlp-activation",
+        "mlp-implementation",
+    ],
+)
+def test_a_bad_activation_or_implementation_fails_at_construction(make, error, match):
+    """The layer's own arguments are checked when it is built, not first at ``init``."""
+    with pytest.raises(error, match=match):
+        make()
+
+
+def test_forward_mode_raises_naming_the_fix_and_works_with_auto():
     layer = FusedDense(3, activation="relu")
     x = jnp.ones((2, 4), jnp.float32)
     params = layer.init(jax.random.key(0), x)
-    with pytest.raises(TypeError, match="forward-mode"):
+    with pytest.raises(TypeError, match="fused_dense: forward-mode autodiff .* implementation='xla'"):
         jax.jvp(lambda x: layer.apply(params, x), (x,), (x,))
+    auto = _FusedDense(3, activation="relu")
+    jax.jvp(lambda x: auto.apply(params, x), (x,), (x,))
+
+
+def test_the_layer_passes_the_implementation_on(rng):
+    x = jnp.asarray(rng.standard_normal((4, 6)), jnp.float32)
+    for impl, fused in (("cublaslt", True), ("xla", False), ("auto", False)):
+        layer = _FusedDense(5, activation="relu", implementation=impl)
+        params = layer.init(jax.random.key(0), x)
+        assert (FUSED in jaxpr_text(layer.apply, params, x)) == fused
 
 
 class MLP(nn.Module):
@@ -401,3 +464,47 @@ def test_import_error_without_flax():
     lines = out.stdout.splitlines()
     assert lines[0].startswith("jax_epilog.linen needs Flax: pip install 'jax_epilog[flax]'")
     assert lines[1].startswith("jax_epilog.nnx needs Flax: pip install 'jax_epilog[flax]'")
+
+
+# ------------------------------------------------------------------------- FusedMLP
+
+
+def test_fused_mlp_is_two_fused_dense_layers_with_those_names(rng):
+    class Two(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = _FusedDense(40, activation="gelu", name="fc_in", dtype=jnp.bfloat16)(x)
+            return _FusedDense(12, name="fc_out", dtype=jnp.bfloat16)(x)
+
+    mlp = FusedMLP((40, 12), ("gelu", None), layer_names=("fc_in", "fc_out"), dtype=jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((3, 7, 16)), jnp.float32)
+    key = jax.random.key(int(rng.integers(2**31)))
+    params = Two().init(key, x)
+    jax.tree.map(np.testing.assert_array_equal, mlp.init(key, x), params)
+    params = perturb(rng, params)
+    np.testing.assert_array_equal(jax.jit(mlp.apply)(params, x), jax.jit(Two().apply)(params, x))
+    loss = lambda apply: jax.jit(jax.grad(lambda p: jnp.sum(apply(p, x).astype(jnp.float32) ** 2)))
+    jax.tree.map(lambda g, t: assert_near(g, t, 6e-2), loss(mlp.apply)(params), loss(Two().apply)(params))
+    assert set(FusedMLP((4, 2), ("gelu", None)).init(key, x)["params"]) == {"layers_0", "layers_1"}
+    with pytest.raises(ValueError, match="FusedMLP: 1 layer_names for 2 layers"):
+        FusedMLP((4, 2), ("gelu", None), layer_names=("a",)).init(key, x)
+
+
+@pytest.mark.parametrize(
+    "precision, compute_type, match",
+    [
+        (jax.lax.Precision.HIGHEST, "COMPUTE_32F_FAST_TF32", "FusedMLP: precision=HIGHEST"),
+        ("bogus", None, "not supported"),
+    ],
+)
+def test_fused_mlp_precision_as_fused_dense_s(rng, precision, compute_type, match):
+    x = jnp.asarray(rng.standard_normal((3, 5)), jnp.float32)
+    with pytest.raises(ValueError, match=match):
+        FusedMLP((4, 2), ("gelu", None), precision=precision, compute_type=compute_type).init(
+            jax.random.key(0), x
+        )
+    layer = FusedMLP((4, 2), ("gelu", None), precision="highest", implementation="cublaslt")
+    params = perturb(rng, layer.init(jax.random.key(0), x))
+    p = params["params"]
+    h = act_fn("gelu")(x @ p["layers_0"]["kernel"] + p["layers_0"]["bias"])
+    assert_near(layer.apply(params, x), h @ p["layers_1"]["kernel"] + p["layers_1"]["bias"], TOL["float32"])

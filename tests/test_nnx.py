@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from helpers import (
     ACTIVATIONS,
+    FUSED,
     GRAD_TOL,
     TOL,
     act_fn,
@@ -21,6 +22,7 @@ from helpers import (
     assert_same_tree,
     draw_x,
     grad_tol,
+    jaxpr_text,
     perturb,
 )
 
@@ -29,6 +31,7 @@ serialization = pytest.importorskip("flax.serialization")
 optax = pytest.importorskip("optax")
 
 from jax_epilog.nnx import FusedLinear as _FusedLinear
+from jax_epilog.nnx import FusedMLP
 
 # The layer tests exercise the fused op itself ("cublaslt": the kernel on a GPU, the
 # reference math on a CPU); "auto" would pick XLA's plain expression for these sizes.
@@ -73,9 +76,14 @@ def value_and_grads(module, x, ct):
     return y, nnx.to_pure_dict(dparams), dx
 
 
-@pytest.mark.parametrize("use_bias", [True, False])
-@pytest.mark.parametrize("activation", ACTIVATIONS)
-@pytest.mark.parametrize("x_shape", [(11, 19), (2, 5, 19)], ids=["2d", "3d"])
+@pytest.mark.parametrize(
+    "activation, use_bias, x_shape",
+    [
+        (act, i % 2 == 0, shape)
+        for i, (act, shape) in enumerate((a, s) for a in ACTIVATIONS for s in [(11, 19), (2, 5, 19)])
+    ],
+    ids=str,
+)
 def test_matches_linear_float32(rng, activation, use_bias, x_shape):
     seed = int(rng.integers(2**31))
     fused, linear = pair(19, 13, seed, activation, use_bias=use_bias)
@@ -120,10 +128,20 @@ def test_nnx_grad_and_jit(rng):
         assert_near(dm[name][...], dm_ref["linear"][name][...], GRAD_TOL["float32"], name)
 
 
-@pytest.mark.parametrize("activation", ACTIVATIONS)
-@pytest.mark.parametrize("param_dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("dtype", [None, "float32", "bfloat16", "float16"])
-@pytest.mark.parametrize("x_dtype", ["float32", "bfloat16"])
+# Every (x_dtype, dtype, param_dtype) once, the activation in turn: the promotion rules do
+# not depend on it.
+DTYPE_CASES = [
+    (x_dtype, dtype, param_dtype, ACTIVATIONS[i % 3])
+    for i, (x_dtype, dtype, param_dtype) in enumerate(
+        (x, d, p)
+        for x in ("float32", "bfloat16")
+        for d in (None, "float32", "bfloat16", "float16")
+        for p in ("float32", "bfloat16")
+    )
+]
+
+
+@pytest.mark.parametrize("x_dtype, dtype, param_dtype, activation", DTYPE_CASES, ids=str)
 def test_dtypes_match_linear(rng, x_dtype, dtype, param_dtype, activation):
     seed = int(rng.integers(2**31))
     kwargs = {"dtype": dtype, "param_dtype": param_dtype}
@@ -348,8 +366,89 @@ def test_state_round_trip_and_swap(rng):
     assert_same_tree(pure_params(swapped), pure_params(layer))
 
 
-def test_forward_mode_raises():
+def test_forward_mode_raises_naming_the_fix_and_works_with_auto():
     layer = FusedLinear(4, 3, activation="relu", rngs=nnx.Rngs(0))
     x = jnp.ones((2, 4), jnp.float32)
-    with pytest.raises(TypeError, match="forward-mode"):
+    with pytest.raises(TypeError, match="fused_dense: forward-mode autodiff .* implementation='xla'"):
         jax.jvp(layer, (x,), (x,))
+    jax.jvp(_FusedLinear(4, 3, activation="relu", rngs=nnx.Rngs(0)), (x,), (x,))
+
+
+@pytest.mark.parametrize(
+    "make, error, match",
+    [
+        (
+            lambda: _FusedLinear(4, 3, activation="swish", rngs=nnx.Rngs(0)),
+            ValueError,
+            "FusedLinear: unknown activation 'swish'",
+        ),
+        (
+            lambda: _FusedLinear(4, 3, activation=jax.nn.gelu, rngs=nnx.Rngs(0)),
+            TypeError,
+            "FusedLinear: activation must be a name, not a function",
+        ),
+        (
+            lambda: _FusedLinear(4, 3, implementation="fast", rngs=nnx.Rngs(0)),
+            ValueError,
+            "FusedLinear: unknown implementation 'fast'",
+        ),
+        (
+            lambda: FusedMLP((4, 8, 2), ("gelu", "swish"), rngs=nnx.Rngs(0)),
+            ValueError,
+            "FusedMLP: unknown activation 'swish'",
+        ),
+        (
+            lambda: FusedMLP((4, 8, 2), ("gelu", None), implementation="fast", rngs=nnx.Rngs(0)),
+            ValueError,
+            "unknown implementation 'fast'",
+        ),
+    ],
+    ids=[
+        "linear-activation",
+        "linear-function",
+        "linear-implementation",
+        "mlp-activation",
+        "mlp-implementation",
+    ],
+)
+def test_a_bad_activation_or_implementation_fails_at_construction(make, error, match):
+    """The layer's own arguments are checked when it is built, before any parameter is
+    drawn, not first when it is called."""
+    with pytest.raises(error, match=match):
+        make()
+
+
+def test_the_layer_passes_the_implementation_on(rng):
+    x = jnp.asarray(rng.standard_normal((4, 6)), jnp.float32)
+    for impl, fused in (("cublaslt", True), ("xla", False), ("auto", False)):
+        lin = _FusedLinear(6, 5, activation="relu", implementation=impl, rngs=nnx.Rngs(0))
+        assert (FUSED in jaxpr_text(lin, x)) == fused
+
+
+# ------------------------------------------------------------------------- FusedMLP
+
+
+def test_fused_mlp_is_fused_linear_layers_built_in_turn(rng):
+    seed = int(rng.integers(2**31))
+    mlp = FusedMLP((16, 40, 12), ("gelu", None), dtype=jnp.bfloat16, rngs=nnx.Rngs(seed))
+    rngs = nnx.Rngs(seed)
+    first = _FusedLinear(16, 40, activation="gelu", dtype=jnp.bfloat16, rngs=rngs)
+    second = _FusedLinear(40, 12, dtype=jnp.bfloat16, rngs=rngs)
+    for layer, twin in zip(mlp.layers, (first, second)):
+        np.testing.assert_array_equal(layer.kernel[...], twin.kernel[...])
+        layer.bias[...] = twin.bias[...] = jnp.asarray(rng.standard_normal(twin.bias.shape), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((3, 5, 16)), jnp.float32)
+    np.testing.assert_array_equal(
+        nnx.jit(lambda m, x: m(x))(mlp, x), nnx.jit(lambda a, b, x: b(a(x)))(first, second, x)
+    )
+    grads = nnx.jit(nnx.grad(lambda m: jnp.sum(m(x).astype(jnp.float32) ** 2)))(mlp)
+    twin = nnx.jit(nnx.grad(lambda a, b: jnp.sum(b(a(x)).astype(jnp.float32) ** 2), argnums=(0, 1)))(
+        first, second
+    )
+    grads = nnx.to_pure_dict(grads)["layers"]
+    for i, t in enumerate(twin):
+        t = nnx.to_pure_dict(t)
+        assert_near(grads[i]["kernel"], t["kernel"], 6e-2)
+        assert_near(grads[i]["bias"], t["bias"], 6e-2)
+    with pytest.raises(ValueError, match=r"FusedMLP: features \(16, 4\) must hold the input width"):
+        FusedMLP((16, 4), ("gelu", None), rngs=nnx.Rngs(0))

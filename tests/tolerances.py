@@ -79,9 +79,8 @@ def epilog_slack(epilog_dtype, z, bias=None, activation=None):
 
     Measured on the H200 (cuBLASLt 13.1): the epilog may round the accumulator ``x @ w`` to
     D's dtype before adding the bias (which kernels do is cuBLASLt's choice: on an H100,
-    ``benchmarks.probes.epilog_rounding`` found bfloat16 kernels rounding first only where
-    K or N is not a multiple of 8, and not all of those; benchmarks/README.md, 2026-12-05
-    (ag)) and evaluates the activation at D's precision (for
+    bfloat16 kernels were seen rounding first only where K or N is not a multiple of 8,
+    and not all of those) and evaluates the activation at D's precision (for
     bfloat16 GELU, ``1 + tanh(u)`` can round to 0), and its GELU uses a fast tanh with
     errors near ``2**-11 |z|`` even in float32. So on a GPU each element may also be off by
     one unit in the last place of ``|x @ w|`` and of ``|z|`` at D's precision, plus

@@ -49,6 +49,8 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.interpreters import mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
+from ._typing import is_explicit, mesh_axes, shaped_like, sharding_of, varying
+
 try:  # jit hands a lowering its devices only for the primitives in this set (private)
     from jax._src.dispatch import prim_requires_devices_during_lowering as _NEEDS_DEVICES
 except ImportError:  # a jax without it: the primitives lower whole (XLA gathers; correct)
@@ -59,10 +61,7 @@ try:  # jax's own reading of an XLA sharding as mesh axes (private; see _decoded
 except ImportError:  # a jax without them: custom_partitioning decodes (and may raise there)
     _XlaSharding = _parse_hlo_sharding = None
 
-__all__ = [
-    "Layout", "explicit_product", "like", "partitioned_lowering", "resharded_like", "shaped_like", "typed",
-    "vary_alike", "whole_leading",
-]  # fmt: skip
+__all__ = ["Layout", "partitioned_lowering", "typed"]
 
 
 class Layout(NamedTuple):
@@ -170,7 +169,7 @@ def _partitioned(primitive, params: dict, layout: Layout):
     def partition(mesh, arg_shapes, result_shapes):
         split = _split(layout, mesh, [s.shape for s in arg_shapes], _decoded(mesh, arg_shapes))
         arg_shardings = tuple(
-            _sharding(mesh, s.ndim, _dims(layout, 0, i, split)) for i, s in enumerate(arg_shapes)
+            sharding_of(mesh, s.ndim, _dims(layout, 0, i, split)) for i, s in enumerate(arg_shapes)
         )
         out_shardings = _out_shardings(layout, mesh, result_shapes, split)
 
@@ -236,7 +235,7 @@ def _split(layout: Layout, mesh, shapes, shardings) -> Split:
     operand, if they leave both alone and divide N; the packed results that cannot split."""
 
     def axes(i: int, dim: int, taken: tuple[str, ...]) -> tuple[str, ...]:
-        found = _axes(shardings[i], dim) if isinstance(shardings[i], NamedSharding) else ()
+        found = mesh_axes(shardings[i], dim) if isinstance(shardings[i], NamedSharding) else ()
         return () if set(found) & set(taken) or shapes[i][dim] % _size(mesh, found) else found
 
     members, taken = [], ()
@@ -285,12 +284,6 @@ def _size(mesh, axes) -> int:
     return math.prod(mesh.shape[a] for a in axes)
 
 
-def _axes(sharding: NamedSharding, dim: int) -> tuple[str, ...]:
-    """The mesh axes that split dimension ``dim`` (none: ())."""
-    entry = sharding.spec[dim] if len(sharding.spec) > dim else None
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 def _dims(layout: Layout, side: int, i: int, split: Split) -> dict[int, tuple[str, ...]]:
     """{dimension: mesh axes} of operand (side 0) or result (side 1) ``i`` under ``split``."""
     dims = {}
@@ -309,15 +302,8 @@ def _dims(layout: Layout, side: int, i: int, split: Split) -> dict[int, tuple[st
     return dims
 
 
-def _sharding(mesh, ndim: int, dims: dict[int, tuple[str, ...]]) -> NamedSharding:
-    spec = [None] * ndim
-    for dim, axes in dims.items():
-        spec[dim] = axes if len(axes) > 1 else axes[0]
-    return NamedSharding(mesh, PartitionSpec(*spec))
-
-
 def _out_shardings(layout: Layout, mesh, result_shapes, split: Split):
-    return [_sharding(mesh, s.ndim, _dims(layout, 1, i, split)) for i, s in enumerate(result_shapes)]
+    return [sharding_of(mesh, s.ndim, _dims(layout, 1, i, split)) for i, s in enumerate(result_shapes)]
 
 
 # ------------------------------------------------ types under explicit sharding
@@ -330,113 +316,13 @@ def typed(layout: Layout, args, results) -> list[jax.core.ShapedArray]:
     ``shard_map`` each result differs over the manual axes its operands differ over
     (``vary_alike`` made them the same)."""
     shardings = [getattr(a, "sharding", None) for a in args]
-    explicit = next((s for s in shardings if _explicit(s)), None)
+    explicit = next((s for s in shardings if is_explicit(s)), None)
     template = max(args, key=lambda a: len(varying(a)))
     if explicit is None:
         return [shaped_like(template, shape, dtype) for shape, dtype in results]
     mesh = explicit.mesh
     split = _split(layout, mesh, [a.shape for a in args], shardings)
     return [
-        shaped_like(template, shape, dtype, _sharding(mesh, len(shape), _dims(layout, 1, i, split)))
+        shaped_like(template, shape, dtype, sharding_of(mesh, len(shape), _dims(layout, 1, i, split)))
         for i, (shape, dtype) in enumerate(results)
     ]
-
-
-def shaped_like(template, shape, dtype, sharding=None) -> jax.core.ShapedArray:
-    """A ShapedArray of ``shape`` and ``dtype`` that differs over the same manual axes as
-    ``template`` (an abstract value), split as ``sharding`` says (explicit sharding) or
-    not at all."""
-    if not varying(template):
-        return jax.core.ShapedArray(shape, dtype, sharding=sharding)
-    if sharding is None:
-        sharding = NamedSharding(template.sharding.mesh, PartitionSpec())
-    return template.update(shape=shape, dtype=dtype, weak_type=False, sharding=sharding)
-
-
-def varying(aval) -> frozenset:
-    """The manual (``shard_map``) mesh axes over which a value of type ``aval`` differs
-    from device to device: jax types values by them inside ``shard_map``, where a value
-    the same on every device must be declared so (``out_specs``) and an operand the same on
-    every device gets its gradient summed over them. (The attribute's name has changed
-    across jax releases; empty wherever none is found, as outside ``shard_map``.)"""
-    for name in ("mat", "manual_axis_type", "manual_type"):
-        if (mat := getattr(aval, name, None)) is not None:
-            return frozenset(mat.varying)
-    return frozenset(getattr(aval, "vma", ()))
-
-
-def vary_alike(*operands) -> list:
-    """``operands`` cast to differ over the same manual axes (their union), as jax casts
-    the operands of its own primitives inside ``shard_map`` (a change of type: no data
-    moves), so that a primitive's results can take their type (``typed``)."""
-    kinds = [varying(jax.typeof(o)) for o in operands]
-    union = frozenset().union(*kinds)
-    return [
-        o if kind == union else jax.lax.pcast(o, tuple(union - kind), to="varying")
-        for o, kind in zip(operands, kinds)
-    ]
-
-
-def like(value, primal):
-    """``value`` (a cotangent) given ``primal``'s type: summed over the manual axes it
-    differs over and ``primal`` does not (inside ``shard_map``: a kernel the same on every
-    device gets every device's part of its gradient), then ``resharded_like`` it."""
-    extra = varying(jax.typeof(value)) - varying(jax.typeof(primal))
-    if extra:
-        value = jax.lax.psum(value, tuple(extra))
-    return resharded_like(value, primal)
-
-
-def resharded_like(value, other):
-    """``value`` resharded to ``other``'s type where explicit sharding says they differ
-    (e.g. a kernel gradient, whole from a GEMM that gathered a kernel split along N over
-    the rows' axes)."""
-    want = getattr(jax.typeof(other), "sharding", None)
-    have = getattr(jax.typeof(value), "sharding", None)
-    if not _explicit(want) or not isinstance(have, NamedSharding) or tuple(want.spec) == tuple(have.spec):
-        return value
-    return jax.sharding.reshard(value, want)
-
-
-def explicit_product(a, b, contract) -> NamedSharding | None:
-    """Under explicit sharding, how the product of ``a`` and ``b`` contracted over the
-    dimensions ``contract`` names (a tuple of ``a``'s, one of ``b``'s) is split: as the
-    dimensions it keeps are (``a``'s, then ``b``'s), except that those of ``b``'s that
-    share mesh axes with ``a``'s stay whole. A product summed over a split dimension must
-    say so; elsewhere None."""
-    sa, sb = (getattr(jax.typeof(v), "sharding", None) for v in (a, b))
-    if not (_explicit(sa) and _explicit(sb)):
-        return None
-    first = [axes for d, axes in enumerate(_spec_entries(a)) if d not in contract[0]]
-    taken = {axis for axes in first for axis in axes}
-    kept = (axes for d, axes in enumerate(_spec_entries(b)) if d not in contract[1])
-    second = [() if set(axes) & taken else axes for axes in kept]
-    return _named(sa.mesh, (*first, *second))
-
-
-def whole_leading(x, count: int):
-    """``x`` with its first ``count`` dimensions whole where explicit sharding splits them
-    (``lax.map`` refuses to loop over a split dimension); elsewhere ``x``."""
-    sharding = getattr(jax.typeof(x), "sharding", None)
-    entries = _spec_entries(x) if _explicit(sharding) else ()
-    if not any(entries[:count]):
-        return x
-    return jax.sharding.reshard(x, _named(sharding.mesh, (*((),) * count, *entries[count:])))
-
-
-def _spec_entries(x) -> tuple[tuple[str, ...], ...]:
-    """Each dimension's mesh axes in ``x``'s explicit type."""
-    sharding = jax.typeof(x).sharding
-    return tuple(_axes(sharding, d) for d in range(x.ndim))
-
-
-def _named(mesh, entries) -> NamedSharding:
-    """``_sharding`` from each dimension's mesh axes (() where whole)."""
-    return _sharding(mesh, len(entries), {d: axes for d, axes in enumerate(entries) if axes})
-
-
-def _explicit(sharding) -> bool:
-    """Whether ``sharding`` is a NamedSharding on a mesh with an explicit axis."""
-    explicit = getattr(jax.sharding.AxisType, "Explicit", None)
-    mesh = getattr(sharding, "mesh", None) if isinstance(sharding, NamedSharding) else None
-    return any(t == explicit for t in getattr(mesh, "axis_types", ()))

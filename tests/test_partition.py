@@ -1,7 +1,7 @@
 """fused_dense and fused_mlp over several devices (four virtual CPU devices, conftest.py).
 
 The primitives split by rows, and by N where the weights are column-parallel, through
-custom_partitioning (jax_epilog/_sharding.py) on every platform, so these CPU tests run the
+custom_partitioning (jax_epilog/_partition.py) on every platform, so these CPU tests run the
 same partitioning rules a multi-GPU program does: each device must compute its own block
 only (the spies below record the shapes the per-device computation sees), the results must
 equal the float64 reference, and the weight gradients must be summed over the devices
@@ -18,12 +18,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import act_fn
+from helpers import GPU_TOL, act_fn, assert_scaled_close, cuda_text, custom_calls, oracle, problems
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_epilog
-from jax_epilog import _primitive, _reference, _sharding
+from jax_epilog import _partition, _reference, override_policy
+from jax_epilog.primitives import forward
 
 fused_dense = functools.partial(jax_epilog.fused_dense, implementation="cublaslt")
 CPUS = jax.devices("cpu")
@@ -37,7 +38,8 @@ def mesh(shape, names, axis_type=AxisType.Auto):
 
 @pytest.fixture(params=["shardy", "gspmd"])
 def partitioner(request):
-    """Each partitioner XLA may run: Shardy (jax's default) and GSPMD."""
+    """Each partitioner XLA may run: Shardy (jax's default) and GSPMD. (A test that needs
+    only some cases under GSPMD names them: ``parametrize("partitioner", ..., indirect=True)``.)"""
     before = jax.config.jax_use_shardy_partitioner
     jax.config.update("jax_use_shardy_partitioner", request.param == "shardy")
     yield request.param
@@ -100,7 +102,7 @@ def layer_grads(loss, sharded, plain, argnums=(0, 1, 2)):
     its results."""
     grad = jax.jit(jax.grad(loss(fused_layer), argnums=argnums))
     got = grad(*sharded)
-    want = jax.grad(loss(reference), argnums=argnums)(*plain)
+    want = jax.jit(jax.grad(loss(reference), argnums=argnums))(*plain)
     for g, r in zip(got, want, strict=True):
         assert_near(g, r)
     return grad, got
@@ -121,8 +123,16 @@ def all_reduced_bytes(compiled_text: str) -> int:
     return total
 
 
-@pytest.mark.parametrize("activation", [None, "relu", "gelu"])
-@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize(
+    "partitioner, activation, with_bias",
+    [
+        (p, act, (i + j) % 2 == 0)
+        for i, p in enumerate(["shardy", "gspmd"])
+        for j, act in enumerate([None, "relu", "gelu"])
+    ],
+    ids=str,
+    indirect=["partitioner"],
+)
 def test_forward_computes_each_devices_rows_on_that_device(rng, seen, partitioner, activation, with_bias):
     m4 = mesh((4,), ("data",))
     x, w, b = operands(rng, 4 * 13, 29, 37)
@@ -140,7 +150,12 @@ def test_forward_computes_each_devices_rows_on_that_device(rng, seen, partitione
     }
 
 
-@pytest.mark.parametrize("activation", [None, "relu", "gelu"])
+@pytest.mark.parametrize(
+    "partitioner, activation",
+    [("shardy", None), ("shardy", "relu"), ("shardy", "gelu"), ("gspmd", "gelu")],
+    ids=str,
+    indirect=["partitioner"],
+)
 def test_gradients_sum_the_devices_weight_gradients_once(rng, seen, partitioner, activation):
     m4 = mesh((4,), ("data",))
     x, w, b = operands(rng, 4 * 11, 23, 19)
@@ -191,7 +206,11 @@ def test_column_parallel_weights_keep_each_devices_columns(rng, seen, partitione
     assert_near(y, reference(x, w, b, activation))
     assert y.sharding.spec == P("data", "model")
     assert seen["dense"] == [(7, 19, 11)]
-    assert collectives(f.lower(*args).compile().as_text()) == {"all-gather": 0, "all-reduce": 0, "all-to-all": 0}
+    assert collectives(f.lower(*args).compile().as_text()) == {
+        "all-gather": 0,
+        "all-reduce": 0,
+        "all-to-all": 0,
+    }
 
 
 def column_parallel_grads(rng, rows, k, n, activation):
@@ -205,12 +224,27 @@ def column_parallel_grads(rng, rows, k, n, activation):
     def loss(layer):
         return lambda x, w, b, dy: jnp.sum(layer(x, w, b, activation) * dy)
 
-    args = (put(m22, x, "data"), put(m22, w, None, "model"), put(m22, b, "model"), put(m22, dy, "data", "model"))
+    args = (
+        put(m22, x, "data"),
+        put(m22, w, None, "model"),
+        put(m22, b, "model"),
+        put(m22, dy, "data", "model"),
+    )
     grad, got = layer_grads(loss, args, (x, w, b, dy))
     return grad, got, args
 
 
-@pytest.mark.parametrize("activation,n", [("relu", 2 * 128), ("gelu", 2 * 16), (None, 2 * 9)])
+@pytest.mark.parametrize(
+    "partitioner, activation, n",
+    [
+        ("shardy", "relu", 2 * 128),
+        ("shardy", "gelu", 2 * 16),
+        ("shardy", None, 2 * 9),
+        ("gspmd", "relu", 2 * 128),
+    ],
+    ids=str,
+    indirect=["partitioner"],
+)
 def test_column_parallel_gradients_keep_the_weights_split(rng, seen, partitioner, activation, n):
     """The gradient of a column-parallel layer whose aux splits with N, unpadded on each
     device (its N a multiple of 128 for ReLU's bits, of 8 for GELU's z): the forward and
@@ -226,7 +260,12 @@ def test_column_parallel_gradients_keep_the_weights_split(rng, seen, partitioner
     assert collectives(text)["all-reduce"] >= 2  # dx over "model"; the weight gradients over "data"
 
 
-@pytest.mark.parametrize("activation,n", [("relu", 2 * 64), ("gelu", 2 * 12)])
+@pytest.mark.parametrize(
+    "partitioner, activation, n",
+    [("shardy", "relu", 2 * 64), ("shardy", "gelu", 2 * 12), ("gspmd", "gelu", 2 * 12)],
+    ids=str,
+    indirect=["partitioner"],
+)
 def test_each_device_cuts_its_aux_from_its_own(rng, seen, partitioner, activation, n):
     """Each device's N no multiple of the aux's padding (128 bits for ReLU, 8 for GELU):
     each device still computes its own columns, and cuts its share of the unpadded aux
@@ -238,7 +277,12 @@ def test_each_device_cuts_its_aux_from_its_own(rng, seen, partitioner, activatio
     assert collectives(grad.lower(*args).compile().as_text())["all-gather"] == 0
 
 
-@pytest.mark.parametrize("activation,n", [("relu", 2 * 40), ("gelu", 2 * 9)])
+@pytest.mark.parametrize(
+    "partitioner, activation, n",
+    [("shardy", "relu", 2 * 40), ("shardy", "gelu", 2 * 9), ("gspmd", "relu", 2 * 40)],
+    ids=str,
+    indirect=["partitioner"],
+)
 def test_a_padded_aux_keeps_n_whole_in_the_forward(rng, seen, partitioner, activation, n):
     """N no multiple of the aux's padding: the aux cannot be cut along N, so the forward
     that saves it gathers the weights and each device computes every column; it keeps its
@@ -260,10 +304,10 @@ def test_relu_bits_split_only_by_whole_bytes(devices, n, whole):
     gradient: the test below)."""
     abstract = jax.sharding.AbstractMesh((devices,), ("model",))
     x, w = jax.ShapeDtypeStruct((64, 8), jnp.float32), jax.ShapeDtypeStruct((8, n), jnp.float32)
-    layout = _primitive._layout((x, w), activation="relu", with_aux=True)
+    layout = forward.layout((x, w), activation="relu", with_aux=True)
     shardings = [NamedSharding(abstract, P()), NamedSharding(abstract, P(None, "model"))]
-    split = _sharding._split(layout, abstract, [x.shape, w.shape], shardings)
-    assert split == _sharding.Split(((),), ("model",), whole)
+    split = _partition._split(layout, abstract, [x.shape, w.shape], shardings)
+    assert split == _partition.Split(((),), ("model",), whole)
 
 
 def run_in_a_fresh_process(devices: int, script: str, partitioner_name: str, rng) -> None:
@@ -296,7 +340,7 @@ put = lambda a, *spec: jax.device_put(a, NamedSharding(mesh, P(*spec)))
 loss = lambda layer: lambda x, w, b: jnp.sum(layer(x, w, b) ** 2)
 fused = loss(lambda x, w, b: jax_epilog.fused_dense(x, w, b, activation="relu", implementation="cublaslt"))
 got = jax.jit(jax.grad(fused, argnums=(0, 1, 2)))(put(x), put(w, None, "axis"), put(b, "axis"))
-want = jax.grad(loss(lambda x, w, b: jax.nn.relu(x @ w + b)), argnums=(0, 1, 2))(x, w, b)
+want = jax.jit(jax.grad(loss(lambda x, w, b: jax.nn.relu(x @ w + b)), argnums=(0, 1, 2)))(x, w, b)
 for g, r in zip(got, want):
     np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-12, atol=1e-12)
 """
@@ -308,7 +352,7 @@ def test_relu_gradient_with_n_split_into_less_than_a_byte_a_device(rng, partitio
     of the aux, each). dy's columns ask for the aux split over part of the mesh axis (a
     [1, 16, 2] tiling), which no PartitionSpec names: jax's custom_partitioning raised an
     IndivisibleError decoding that result's sharding, under both partitioners, until the
-    rule took over decoding (of the operands only: _sharding._decoded). 32 CPU devices,
+    rule took over decoding (of the operands only: _partition._decoded). 32 CPU devices,
     in a fresh process."""
     run_in_a_fresh_process(32, _RELU_ON_32_DEVICES, partitioner_name, rng)
 
@@ -323,6 +367,30 @@ def test_rows_that_do_not_divide_evenly_are_gathered(rng, seen):
 
     layer_grads(loss, (put(m4, x, "data"), put(m4, w), put(m4, b)), (x, w, b))
     assert seen["dense"] == [(30, 9, 11)] and seen["weight_grad"] == [(30, 9, 11)]
+
+
+def test_inside_shard_map_the_fused_calls_lower_and_the_weight_gradients_sum(cublaslt_accepts):
+    """A linked GELU block in a shard_map over rows, lowered for "cuda": each device's
+    forward, DGELU and BGRADA calls on its own rows, and an all-reduce for each weight
+    gradient (w1, b1, w2: the weights are the same on every device). Before, jax refused
+    the backward's types there."""
+    m4 = mesh((4,), ("data",))
+    x, w1, b1 = (
+        jnp.ones((4 * 33, 129), jnp.bfloat16),
+        jnp.ones((129, 65), jnp.bfloat16),
+        jnp.ones((65,), jnp.bfloat16),
+    )
+    w2 = jnp.ones((65, 17), jnp.bfloat16)
+
+    def block(x, w1, b1, w2):
+        return jax_epilog.fused_mlp(x, [(w1, b1), (w2, None)], ["gelu", None], implementation="cublaslt")
+
+    sharded = jax.shard_map(block, mesh=m4, in_specs=(P("data"), P(), P(), P()), out_specs=P("data"))
+    loss = lambda *args: sharded(*args).astype(jnp.float32).sum()
+    text = cuda_text(jax.grad(loss, argnums=(0, 1, 2, 3)), x, w1, b1, w2)
+    assert sorted(problems(text)) == ["dgrad", "forward", "wgrad"]
+    assert all("m = 33" in call for call in custom_calls(text))  # each device's rows
+    assert text.count("stablehlo.all_reduce") == 3
 
 
 def test_inside_shard_map_each_device_runs_its_block(rng, seen):
@@ -367,8 +435,10 @@ def test_inside_shard_map_results_vary_by_device_and_gradients_sum_over_them(
     with pytest.raises(ValueError, match="out_specs"):
         jax.jit(inside_shard_map(lambda *a: layer(*a).sum(0), m4, x_spec, w_spec, P()))(x, w, b)
     loss = lambda f: lambda x, w, b: jnp.sum(jnp.sin(f(x, w, b)))
-    got = jax.jit(jax.grad(loss(inside_shard_map(layer, m4, x_spec, w_spec, out_spec)), argnums=(0, 1, 2)))(x, w, b)
-    want = jax.grad(loss(lambda x, w, b: reference(x, w, b, activation)), argnums=(0, 1, 2))(x, w, b)
+    got = jax.jit(jax.grad(loss(inside_shard_map(layer, m4, x_spec, w_spec, out_spec)), argnums=(0, 1, 2)))(
+        x, w, b
+    )
+    want = jax.jit(jax.grad(loss(lambda x, w, b: reference(x, w, b, activation)), argnums=(0, 1, 2)))(x, w, b)
     for g, r in zip(got, want, strict=True):
         assert_near(g, r)
 
@@ -401,7 +471,9 @@ def test_inside_shard_map_a_fused_mlp_and_an_ensemble_differentiate(rng):
         in_specs = (P("data"), *(P() for _ in args[1:]))
         sharded = jax.shard_map(f, mesh=m4, in_specs=in_specs, out_specs=out_spec)
         got = jax.jit(jax.grad(loss(sharded), argnums=tuple(range(len(args)))))(*args)
-        for g, r in zip(got, jax.grad(loss(plain), argnums=tuple(range(len(args))))(*args), strict=True):
+        for g, r in zip(
+            got, jax.jit(jax.grad(loss(plain), argnums=tuple(range(len(args)))))(*args), strict=True
+        ):
             assert_near(g, r)
 
 
@@ -424,7 +496,7 @@ def test_fused_mlp_over_split_rows(rng, seen):
     args = (x, w1, b1, w2, b2)
     sharded = (put(m4, x, "data"), *(put(m4, a) for a in args[1:]))
     got = jax.jit(jax.grad(fused, argnums=tuple(range(5))))(*sharded)
-    want = jax.grad(plain, argnums=tuple(range(5)))(*args)
+    want = jax.jit(jax.grad(plain, argnums=tuple(range(5))))(*args)
     for g, r in zip(got, want):
         assert_near(g, r)
     assert {s[0] for s in seen["dense"] + seen["weight_grad"]} == {9}
@@ -452,7 +524,7 @@ def test_fused_mlp_with_megatron_style_weights(rng, seen, partitioner):
     specs = (("data",), (None, "model"), ("model",), ("model", None), ())
     sharded = [put(m22, a, *spec) for a, spec in zip(args, specs, strict=True)]
     got = jax.jit(jax.grad(fused, argnums=tuple(range(5))))(*sharded)
-    want = jax.grad(plain, argnums=tuple(range(5)))(*args)
+    want = jax.jit(jax.grad(plain, argnums=tuple(range(5))))(*args)
     for g, r in zip(got, want, strict=True):
         assert_near(g, r)
     assert seen["dense"] == [(5, 11, 16), (5, 32, 9)]
@@ -484,7 +556,7 @@ def test_linen_layer_with_partitioned_params_is_column_parallel(rng, seen):
         grads = jax.jit(jax.grad(lambda p, x: jnp.sum(layer.apply(p, x) ** 2)))(params, x)
     kernel, bias = (nn.meta.unbox(params)["params"][name] for name in ("kernel", "bias"))
     assert kernel.sharding.spec == P(None, "model")
-    want = jax.grad(lambda k, b: jnp.sum(reference(x_host, k, b, "gelu") ** 2), argnums=(0, 1))(
+    want = jax.jit(jax.grad(lambda k, b: jnp.sum(reference(x_host, k, b, "gelu") ** 2), argnums=(0, 1)))(
         np.asarray(kernel), np.asarray(bias)
     )
     got = nn.meta.unbox(grads)["params"]
@@ -505,6 +577,14 @@ def test_one_device_lowers_without_a_partitioning_call(rng):
     assert "CustomSPMDPartitioning" in sharded  # the rule is in force once there are several
 
 
+def test_without_jaxs_device_hook_the_primitives_lower_whole(monkeypatch):
+    """A jax without the (private) set of primitives that get their devices at lowering:
+    the primitives lower directly, whole (XLA gathers their operands; correct, slower)."""
+    monkeypatch.setattr(_partition, "_NEEDS_DEVICES", None)
+    direct = lambda ctx, *args, **params: None
+    assert _partition.partitioned_lowering(forward.fused_matmul_p, direct, forward.layout) is direct
+
+
 NO_COLLECTIVES = {"all-gather": 0, "all-reduce": 0, "all-to-all": 0}
 
 
@@ -523,7 +603,12 @@ def plain_ensemble(activation):
     return layers
 
 
-@pytest.mark.parametrize("activation", ["relu", "gelu"])
+@pytest.mark.parametrize(
+    "partitioner, activation",
+    [("shardy", "relu"), ("shardy", "gelu"), ("gspmd", "gelu")],
+    ids=str,
+    indirect=["partitioner"],
+)
 def test_ensemble_split_over_members(rng, seen, activation, partitioner):
     """vmap over weights (an ensemble) whose members are split over devices: each device
     loops over its own members, forward and backward, with no collective, whether x is
@@ -542,7 +627,9 @@ def test_ensemble_split_over_members(rng, seen, activation, partitioner):
     assert seen["dense"] == [(6, 10, 16)] * 2  # one member at a time
     loss = lambda f: lambda *a: jnp.sum(f(*a) ** 2)
     grad = jax.jit(jax.grad(loss(jax.vmap(layer)), argnums=(0, 1, 2)))
-    for got, want in zip(grad(xs, ws, bs), jax.grad(loss(plain_ensemble(activation)), argnums=(0, 1, 2))(x, w, b)):
+    for got, want in zip(
+        grad(xs, ws, bs), jax.jit(jax.grad(loss(plain_ensemble(activation)), argnums=(0, 1, 2)))(x, w, b)
+    ):
         assert_near(got, want)
         assert got.sharding.spec[0] == "data"
     assert collectives(grad.lower(xs, ws, bs).compile().as_text()) == NO_COLLECTIVES
@@ -557,7 +644,10 @@ def test_ensemble_split_over_members(rng, seen, activation, partitioner):
     ],
     ids=["rows-b", "cols-b", "x-members-whole"],
 )
-def test_ensemble_on_a_two_axis_mesh_splits_members_rows_and_columns(rng, seen, specs, per_member, partitioner):
+@pytest.mark.parametrize("partitioner", ["shardy"], indirect=True)
+def test_ensemble_on_a_two_axis_mesh_splits_members_rows_and_columns(
+    rng, seen, specs, per_member, partitioner
+):
     """Members over "a" and each member's rows or N over "b": each device runs its own
     members on its own block, gathering nothing in the forward."""
     m = mesh((2, 2), ("a", "b"))
@@ -570,10 +660,11 @@ def test_ensemble_on_a_two_axis_mesh_splits_members_rows_and_columns(rng, seen, 
     assert collectives(f.lower(*args).compile().as_text())["all-gather"] == 0
     loss = lambda f: lambda *a: jnp.sum(f(*a) ** 2)
     got = jax.jit(jax.grad(loss(layer), argnums=(0, 1, 2)))(*args)
-    for g, want in zip(got, jax.grad(loss(plain_ensemble("gelu")), argnums=(0, 1, 2))(x, w, b)):
+    for g, want in zip(got, jax.jit(jax.grad(loss(plain_ensemble("gelu")), argnums=(0, 1, 2)))(x, w, b)):
         assert_near(g, want)
 
 
+@pytest.mark.parametrize("partitioner", ["shardy"], indirect=True)
 def test_ensemble_of_fused_mlps_keeps_members_split(rng, partitioner):
     """An ensemble of linked GELU blocks (each member's DGELU and kernel gradient XLA's
     batched GEMMs) differentiates with each device on its own members, with no collective."""
@@ -593,13 +684,14 @@ def test_ensemble_of_fused_mlps_keeps_members_split(rng, partitioner):
     grad = jax.jit(unjitted)
     ops = str(jax.make_jaxpr(unjitted)(*args))
     assert "jax_epilog_members" in ops and "jax_epilog_fused_gelu_input_grad" not in ops
-    for got, ref in zip(grad(*args), jax.grad(loss(plain), argnums=(0, 1, 2, 3))(x, w1, b1, w2)):
+    for got, ref in zip(grad(*args), jax.jit(jax.grad(loss(plain), argnums=(0, 1, 2, 3)))(x, w1, b1, w2)):
         ref = np.asarray(ref)  # float64, against float32 gradients
         np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
         assert got.sharding.spec[0] == "data"
     assert collectives(grad.lower(*args).compile().as_text()) == NO_COLLECTIVES
 
 
+@pytest.mark.parametrize("partitioner", ["shardy"], indirect=True)
 def test_ensemble_differentiates_again_and_nests(rng, partitioner):
     """A gradient penalty's gradient of an ensemble keeps its members split (members_p
     for the values, XLA's ops for the tangents), with no collective; a vmap of an
@@ -609,10 +701,12 @@ def test_ensemble_differentiates_again_and_nests(rng, partitioner):
     x, w, b = ensemble(rng, 8)
     layer = jax.vmap(functools.partial(fused_dense, activation="gelu"))
     loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))
-    penalty = lambda f: lambda *a: jnp.sum(jax.grad(loss(f), argnums=1)(*a) ** 2)
+    penalty = lambda f: lambda *a: jnp.sum(jax.jit(jax.grad(loss(f), argnums=1))(*a) ** 2)
     args = [put(m4, a, "data") for a in (x, w, b)]
     grad = jax.jit(jax.grad(penalty(layer), argnums=(0, 1, 2)))
-    for g, want in zip(grad(*args), jax.grad(penalty(plain_ensemble("gelu")), argnums=(0, 1, 2))(x, w, b)):
+    for g, want in zip(
+        grad(*args), jax.jit(jax.grad(penalty(plain_ensemble("gelu")), argnums=(0, 1, 2)))(x, w, b)
+    ):
         assert_near(g, want)
         assert g.sharding.spec[0] == "data"
     assert collectives(grad.lower(*args).compile().as_text()) == NO_COLLECTIVES
@@ -626,15 +720,27 @@ def test_ensemble_differentiates_again_and_nests(rng, partitioner):
         assert (*y.sharding.spec, None, None)[:2] == (*spec, None)[:2]
         assert collectives(f.lower(*args).compile().as_text()) == NO_COLLECTIVES
         grad = jax.jit(jax.grad(plain(jax.vmap(layer)), argnums=(0, 1, 2)))
-        want = jax.grad(plain(jax.vmap(plain_ensemble("gelu"))), argnums=(0, 1, 2))(*nested)
+        want = jax.jit(jax.grad(plain(jax.vmap(plain_ensemble("gelu"))), argnums=(0, 1, 2)))(*nested)
         for g, r in zip(grad(*args), want, strict=True):
             assert_near(g, r)
         assert collectives(grad.lower(*args).compile().as_text()) == NO_COLLECTIVES
 
 
-@pytest.mark.parametrize("activation", [None, "relu", "gelu"])
-@pytest.mark.parametrize("x_per_member", [False, True], ids=["x-shared", "x-per-member"])
-def test_per_example_model_over_an_ensemble_keeps_the_members_split(rng, activation, x_per_member, partitioner):
+@pytest.mark.parametrize(
+    "partitioner, activation, x_per_member",
+    [
+        ("shardy", None, False),
+        ("shardy", "gelu", False),
+        ("shardy", "relu", True),
+        ("shardy", None, True),
+        ("gspmd", "gelu", True),
+    ],
+    ids=str,
+    indirect=["partitioner"],
+)
+def test_per_example_model_over_an_ensemble_keeps_the_members_split(
+    rng, activation, x_per_member, partitioner
+):
     """vmap over examples (x alone) of an ensemble: the examples fold into the rows of one
     members' loop, which keeps the members split, whether the members share x or each
     has its own; the weight gradients, sums over the rows, loop over examples and members
@@ -648,7 +754,9 @@ def test_per_example_model_over_an_ensemble_keeps_the_members_split(rng, activat
     x_axes = 0 if x_per_member else None
 
     def model(x, w, b):  # one example through every member: (members, N)
-        return jax.vmap(lambda x, w, b: fused_dense(x, w, b, activation=activation), in_axes=(x_axes, 0, 0))(x, w, b)
+        return jax.vmap(lambda x, w, b: fused_dense(x, w, b, activation=activation), in_axes=(x_axes, 0, 0))(
+            x, w, b
+        )
 
     def plain(x, w, b):
         return act_fn(activation)(jnp.einsum("pek,ekn->pen" if x_per_member else "pk,ekn->pen", x, w) + b)
@@ -661,7 +769,7 @@ def test_per_example_model_over_an_ensemble_keeps_the_members_split(rng, activat
     assert collectives(jax.jit(f).lower(*args).compile().as_text()) == NO_COLLECTIVES
     loss = lambda f: lambda *a: jnp.sum(f(*a) ** 2)
     grad = jax.jit(jax.grad(loss(f), argnums=(0, 1, 2)))
-    for g, want in zip(grad(*args), jax.grad(loss(plain), argnums=(0, 1, 2))(x, w, b)):
+    for g, want in zip(grad(*args), jax.jit(jax.grad(loss(plain), argnums=(0, 1, 2)))(x, w, b)):
         assert_near(g, want)
     plain_grad = jax.jit(jax.grad(loss(plain), argnums=(0, 1, 2)))
     assert collectives(grad.lower(*args).compile().as_text()) == collectives(
@@ -690,7 +798,7 @@ for activation in (None, "relu", "gelu"):
     got = jax.jit(jax.grad(loss(f), argnums=(0, 1, 2)))(rows, w, b)
     plain = lambda x, w, b: {None: x @ w + b, "relu": jax.nn.relu(x @ w + b),
                              "gelu": jax.nn.gelu(x @ w + b, approximate=True)}[activation]
-    for g, r in zip(got, jax.grad(loss(plain), argnums=(0, 1, 2))(x, w, b)):
+    for g, r in zip(got, jax.jit(jax.grad(loss(plain), argnums=(0, 1, 2)))(x, w, b)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-12, atol=1e-12)
 """
 
@@ -712,8 +820,9 @@ def test_rows_split_in_a_permuted_device_order_compile_and_match(rng, partitione
     run_in_a_fresh_process(4, _PERMUTED_ROWS, partitioner_name, rng)
 
 
-@pytest.mark.parametrize("weights", ["whole", "split-n"])
-@pytest.mark.parametrize("activation", ["relu", "gelu"])
+@pytest.mark.parametrize(
+    "weights, activation", [("whole", "relu"), ("split-n", "gelu"), ("split-n", "relu")], ids=str
+)
 def test_explicit_sharding_types_every_result_and_gradient(rng, seen, weights, activation):
     """Under explicit sharding (jax.make_mesh's default) an array's type names its sharding:
     the output is typed split by rows (and by N where the kernel is: column-parallel), and
@@ -734,7 +843,9 @@ def test_explicit_sharding_types_every_result_and_gradient(rng, seen, weights, a
     for g, primal in zip(got, args):
         assert jax.typeof(g).sharding.spec == jax.typeof(primal).sharding.spec
     # rows split over "data" only; N over "model" where the weights are
-    assert seen["weight_grad"] == weight_grad_traced(activation, (6, 10, n // 2 if n_axis else n), (12, 10, n))
+    assert seen["weight_grad"] == weight_grad_traced(
+        activation, (6, 10, n // 2 if n_axis else n), (12, 10, n)
+    )
 
 
 def test_explicit_sharding_fused_mlp(rng, seen):
@@ -754,7 +865,7 @@ def test_explicit_sharding_fused_mlp(rng, seen):
     )
     plain = loss(lambda x, w1, b1, w2: reference(reference(x, w1, b1, "gelu"), w2, None, None))
     got = jax.jit(jax.grad(fused, argnums=(0, 1, 2, 3)))(*sharded)
-    want = jax.grad(plain, argnums=(0, 1, 2, 3))(*args)
+    want = jax.jit(jax.grad(plain, argnums=(0, 1, 2, 3)))(*args)
     for g, r, primal in zip(got, want, sharded, strict=True):
         assert_near(g, r)
         assert jax.typeof(g).sharding.spec == jax.typeof(primal).sharding.spec
@@ -764,7 +875,7 @@ def test_explicit_sharding_fused_mlp(rng, seen):
 def test_explicit_sharding_of_a_row_parallel_layer(rng, implementation):
     """A row-parallel layer (x and the kernel split along K) under explicit sharding: every
     implementation sums over the split K, where XLA's plain ``x @ kernel`` is refused as
-    ambiguous ("auto" and "xla" ran it until 2026-12-06 (ak)). y is split by rows only, the
+    ambiguous (as "auto" and "xla" once ran it). y is split by rows only, the
     gradients typed as their primals, the values the reference's."""
     m = mesh((2, 2), ("data", "model"), AxisType.Explicit)
     x, w, b = operands(rng, 2 * 5, 2 * 6, 9)
@@ -775,14 +886,17 @@ def test_explicit_sharding_of_a_row_parallel_layer(rng, implementation):
     assert_near(y, reference(x, w, b, "gelu"))
     assert jax.typeof(y).sharding.spec == P("data", None)
     grad = jax.jit(jax.grad(lambda *a: jnp.sum(layer(*a) * dy), argnums=(0, 1, 2)))(*args)
-    want = jax.grad(lambda *a: jnp.sum(reference(*a, "gelu") * dy), argnums=(0, 1, 2))(x, w, b)
+    want = jax.jit(jax.grad(lambda *a: jnp.sum(reference(*a, "gelu") * dy), argnums=(0, 1, 2)))(x, w, b)
     for g, r, primal in zip(grad, want, args, strict=True):
         assert_near(g, r)
         assert jax.typeof(g).sharding.spec == jax.typeof(primal).sharding.spec
 
 
-@pytest.mark.parametrize("implementation", ["xla", "auto", "cublaslt"])
-@pytest.mark.parametrize("activation", ["relu", "gelu"])
+@pytest.mark.parametrize(
+    "implementation, activation",
+    [("xla", "relu"), ("auto", "gelu"), ("cublaslt", "relu"), ("cublaslt", "gelu")],
+    ids=str,
+)
 def test_explicit_sharding_of_a_sequence_axis(rng, seen, implementation, activation):
     """x of shape (batch, seq, K) split along seq (sequence parallelism): a reshape cannot
     fold (3, 8@seq) into rows, so the op folds seq first. y and every gradient keep their
@@ -799,7 +913,9 @@ def test_explicit_sharding_of_a_sequence_axis(rng, seen, implementation, activat
     assert_near(y, reference(x, w, b, activation))
     assert jax.typeof(y).sharding.spec == P(None, "seq", None)
     got = jax.jit(jax.grad(lambda x, w, b, dy: jnp.sum(layer(x, w, b) * dy), argnums=(0, 1, 2)))(*args)
-    want = jax.grad(lambda x, w, b: jnp.sum(reference(x, w, b, activation) * dy), argnums=(0, 1, 2))(x, w, b)
+    want = jax.jit(jax.grad(lambda x, w, b: jnp.sum(reference(x, w, b, activation) * dy), argnums=(0, 1, 2)))(
+        x, w, b
+    )
     for g, r, primal in zip(got, want, args, strict=False):
         assert_near(g, r)
         assert jax.typeof(g).sharding.spec == jax.typeof(primal).sharding.spec
@@ -808,36 +924,51 @@ def test_explicit_sharding_of_a_sequence_axis(rng, seen, implementation, activat
 
 
 @pytest.mark.parametrize(
-    "spec, rows", [(P(None, "seq"), 16), (P("data", "seq"), 8), (P(("data", "seq")), 8)], ids=["seq", "data-seq", "data+seq"]
+    "partitioner, spec, rows, activation",
+    [
+        pytest.param("shardy", P(None, "seq"), 16, "relu", id="shardy-seq-relu"),
+        pytest.param("shardy", P("data", "seq"), 8, "gelu", id="shardy-data-seq-gelu"),
+        pytest.param("shardy", P(("data", "seq")), 8, "relu", id="shardy-data+seq-relu"),
+        pytest.param("gspmd", P("data", "seq"), 8, "gelu", id="gspmd-data-seq-gelu"),
+    ],
+    indirect=["partitioner"],
 )
-@pytest.mark.parametrize("activation", ["relu", "gelu"])
-def test_auto_fused_forward_keeps_a_split_sequence(rng, seen, monkeypatch, partitioner, spec, rows, activation):
+def test_auto_fused_forward_keeps_a_split_sequence(rng, seen, partitioner, spec, rows, activation):
     """Under automatic sharding "auto"'s fused forward takes x with its leading dimensions,
     so each device runs its own (batch, sequence) block, however the two are split: no
     collective, y split as the expression's, the same gradients (before, x was folded into
     rows by a reshape that XLA partitioned first: it gathered the sequence, and every
     device computed all of its batch's rows)."""
-    monkeypatch.setattr(jax_epilog._dense, "_auto_fuses_alone", lambda *args: True)  # (a small layer, fused)
     m = mesh((2, 2), ("data", "seq"))
     x, w, b = rng.standard_normal((4, 8, 10)), *operands(rng, 1, 10, 16)[1:]
     args = (put(m, x, *spec), put(m, w), put(m, b))
-    layer = functools.partial(jax_epilog.fused_dense, activation=activation)
+    layer = lambda x, w, b: jax_epilog.fused_dense(x, w, b, activation=activation)
     plain = lambda x, w, b: reference(x, w, b, activation)
-    f = jax.jit(layer)
-    y = f(*args)
-    assert_near(y, plain(x, w, b))
-    assert y.sharding.spec == jax.jit(plain)(*args).sharding.spec
-    assert collectives(f.lower(*args).compile().as_text()) == NO_COLLECTIVES
-    assert seen["dense"] == [(rows, 10, 16)]  # each device's own rows
     loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))
-    for g, want in zip(jax.jit(jax.grad(loss(layer), argnums=(0, 1, 2)))(*args), jax.grad(loss(plain), argnums=(0, 1, 2))(x, w, b)):
+    with override_policy(
+        auto_dtypes=("float64",), auto_min_rows=0, auto_min_work=0
+    ):  # (a small layer, fused)
+        f = jax.jit(layer)
+        y = f(*args)
+        assert_near(y, plain(x, w, b))
+        assert y.sharding.spec == jax.jit(plain)(*args).sharding.spec
+        assert collectives(f.lower(*args).compile().as_text()) == NO_COLLECTIVES
+        assert seen["dense"] == [(rows, 10, 16)]  # each device's own rows
+        got = jax.jit(jax.grad(loss(layer), argnums=(0, 1, 2)))(*args)
+    for g, want in zip(got, jax.jit(jax.grad(loss(plain), argnums=(0, 1, 2)))(x, w, b)):
         assert_near(g, want)
 
 
 @pytest.mark.parametrize(
-    "spec, rows", [(P(None, "seq"), 16), (P("data", "seq"), 8), (P(("data", "seq")), 8)], ids=["seq", "data-seq", "data+seq"]
+    "partitioner, spec, rows, activation",
+    [
+        pytest.param("shardy", P(None, "seq"), 16, "relu", id="shardy-seq-relu"),
+        pytest.param("shardy", P("data", "seq"), 8, "gelu", id="shardy-data-seq-gelu"),
+        pytest.param("shardy", P(("data", "seq")), 8, "relu", id="shardy-data+seq-relu"),
+        pytest.param("gspmd", P("data", "seq"), 8, "gelu", id="gspmd-data-seq-gelu"),
+    ],
+    indirect=["partitioner"],
 )
-@pytest.mark.parametrize("activation", ["relu", "gelu"])
 def test_auto_cublaslt_gradient_keeps_a_split_sequence(rng, seen, partitioner, spec, rows, activation):
     """Under automatic sharding "cublaslt"'s differentiable path and fused_mlp's linked
     backward take x with its leading dimensions too: the backward's primitives (BGRADA,
@@ -865,7 +996,9 @@ def test_auto_cublaslt_gradient_keeps_a_split_sequence(rng, seen, partitioner, s
         assert_near(forward(*args), plain(x, w, b, w2))
         assert collectives(forward.lower(*args).compile().as_text()) == NO_COLLECTIVES
         grad = jax.jit(jax.grad(loss(f), argnums=argnums))
-        for g, want in zip(grad(*args), jax.grad(loss(plain), argnums=argnums)(x, w, b, w2), strict=True):
+        for g, want in zip(
+            grad(*args), jax.jit(jax.grad(loss(plain), argnums=argnums))(x, w, b, w2), strict=True
+        ):
             assert_near(g, want)
         got = grad.lower(*args).compile().as_text()
         want = jax.jit(jax.grad(loss(plain), argnums=argnums)).lower(*args).compile().as_text()
@@ -876,8 +1009,7 @@ def test_auto_cublaslt_gradient_keeps_a_split_sequence(rng, seen, partitioner, s
         assert (rows, 10, 16) in seen["weight_grad"]
 
 
-@pytest.mark.parametrize("implementation", ["auto", "cublaslt"])
-@pytest.mark.parametrize("activation", ["relu", "gelu"])
+@pytest.mark.parametrize("implementation, activation", [("auto", "relu"), ("cublaslt", "gelu")], ids=str)
 def test_explicit_sharding_of_batch_and_sequence_axes(rng, seen, implementation, activation):
     """x of type (4@data, 8@seq, K), two examples a device: the op folds each device's
     blocks into its own rows (before, a reshape merged the two splits into one over
@@ -894,7 +1026,9 @@ def test_explicit_sharding_of_batch_and_sequence_axes(rng, seen, implementation,
         return jax_epilog.fused_dense(x, w, b, activation=activation, implementation=implementation)
 
     def mlp(x, w, b, w2):
-        return jax_epilog.fused_mlp(x, [(w, b), (w2, None)], [activation, None], implementation=implementation)
+        return jax_epilog.fused_mlp(
+            x, [(w, b), (w2, None)], [activation, None], implementation=implementation
+        )
 
     plain_dense = lambda x, w, b, w2: reference(x, w, b, activation)
     plain_mlp = lambda x, w, b, w2: reference(reference(x, w, b, activation), w2, None, None)
@@ -904,7 +1038,9 @@ def test_explicit_sharding_of_batch_and_sequence_axes(rng, seen, implementation,
         assert_near(y, plain(x, w, b, w2))
         assert jax.typeof(y).sharding.spec == P("data", "seq", None)
         grad = jax.jit(jax.grad(loss(f), argnums=(0, 1, 2, 3)))
-        for g, r, primal in zip(grad(*args), jax.grad(loss(plain), argnums=(0, 1, 2, 3))(x, w, b, w2), args, strict=True):
+        for g, r, primal in zip(
+            grad(*args), jax.jit(jax.grad(loss(plain), argnums=(0, 1, 2, 3)))(x, w, b, w2), args, strict=True
+        ):
             assert_near(g, r)
             assert jax.typeof(g).sharding.spec == jax.typeof(primal).sharding.spec
         want = jax.jit(jax.grad(loss(plain), argnums=(0, 1, 2, 3))).lower(*args).compile().as_text()
@@ -931,25 +1067,36 @@ def test_explicit_sharding_vmap_over_split_rows_with_shared_weights(rng, seen):
     def loss(mlp):
         return lambda x: jnp.sum(jax.vmap(mlp)(x) ** 2)
 
-    linked = loss(lambda x: jax_epilog.fused_mlp(x, [(w1, b1), (w2, None)], ["gelu", None], implementation="cublaslt"))
+    linked = loss(
+        lambda x: jax_epilog.fused_mlp(x, [(w1, b1), (w2, None)], ["gelu", None], implementation="cublaslt")
+    )
     plain = loss(lambda x: reference(reference(x, w1, b1, "gelu"), w2, None, None))
     dx = jax.jit(jax.grad(linked))(xs)
-    assert_near(dx, jax.grad(plain)(x))
+    assert_near(dx, jax.jit(jax.grad(plain))(x))
     assert jax.typeof(dx).sharding.spec == P(None, "data", None)
 
 
-@pytest.mark.parametrize("activation", ["relu", "gelu"])
+@pytest.mark.parametrize(
+    "partitioner, activation", [("shardy", "relu"), ("gspmd", "gelu")], ids=str, indirect=["partitioner"]
+)
 def test_explicit_sharding_ensemble_split_over_members(rng, activation, partitioner):
     """vmap over weights (an ensemble) runs member by member; members split over devices
     stay split: each device runs its own (shard_map), with no collective, forward and
     backward, whether x is per member or shared."""
     m = mesh((4,), ("data",), AxisType.Explicit)
-    x, w, b = rng.standard_normal((8, 6, 10)), rng.standard_normal((8, 10, 7)) / 3, rng.standard_normal((8, 7))
+    x, w, b = (
+        rng.standard_normal((8, 6, 10)),
+        rng.standard_normal((8, 10, 7)) / 3,
+        rng.standard_normal((8, 7)),
+    )
     xs, ws, bs = (put(m, a, "data") for a in (x, w, b))
     layer = functools.partial(fused_dense, activation=activation)
     want = act_fn(activation)(jnp.einsum("emk,ekn->emn", x, w) + b[:, None])
     none = {"all-gather": 0, "all-reduce": 0, "all-to-all": 0}
-    for in_axes, args, expected in (((0, 0, 0), (xs, ws, bs), want), ((None, 0, 0), (put(m, x[0]), ws, bs), None)):
+    for in_axes, args, expected in (
+        ((0, 0, 0), (xs, ws, bs), want),
+        ((None, 0, 0), (put(m, x[0]), ws, bs), None),
+    ):
         f = jax.jit(jax.vmap(layer, in_axes=in_axes))
         y = f(*args)
         if expected is None:  # x shared by the members
@@ -960,7 +1107,7 @@ def test_explicit_sharding_ensemble_split_over_members(rng, activation, partitio
     loss = lambda x, w, b: jnp.sum(jax.vmap(layer)(x, w, b) ** 2)
     plain = lambda x, w, b: jnp.sum(act_fn(activation)(jnp.einsum("emk,ekn->emn", x, w) + b[:, None]) ** 2)
     grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-    for got, ref in zip(grad(xs, ws, bs), jax.grad(plain, argnums=(0, 1, 2))(x, w, b)):
+    for got, ref in zip(grad(xs, ws, bs), jax.jit(jax.grad(plain, argnums=(0, 1, 2)))(x, w, b)):
         assert_near(got, ref)
         assert jax.typeof(got).sharding.spec[0] == "data"
     assert collectives(grad.lower(xs, ws, bs).compile().as_text()) == none
@@ -975,25 +1122,50 @@ def test_explicit_sharding_ensemble_differentiates_again(rng):
     args = (put(m, x), put(m, w, "data"), put(m, b, "data"))
     layer = functools.partial(fused_dense, activation="gelu")
     loss = lambda f: lambda x, w, b: jnp.sum(jnp.sin(jax.vmap(f, in_axes=(None, 0, 0))(x, w, b)))
-    penalty = lambda f: lambda *a: jnp.sum(jax.grad(loss(f), argnums=1)(*a) ** 2)
+    penalty = lambda f: lambda *a: jnp.sum(jax.jit(jax.grad(loss(f), argnums=1))(*a) ** 2)
     got = jax.jit(jax.grad(penalty(layer), argnums=(0, 1, 2)))(*args)
     plain = lambda x, w, b: reference(x, w, b, "gelu")
-    for g, want, primal in zip(got, jax.grad(penalty(plain), argnums=(0, 1, 2))(x, w, b), args, strict=True):
+    for g, want, primal in zip(
+        got, jax.jit(jax.grad(penalty(plain), argnums=(0, 1, 2)))(x, w, b), args, strict=True
+    ):
         assert_near(g, want)
         assert jax.typeof(g).sharding.spec == jax.typeof(primal).sharding.spec
 
 
+_TWO_AXIS_ENSEMBLES = {
+    "members-a": ((P("a"), P("a"), P("a")), (6, 10, 8), P("a", None, None)),  # "b" splits nothing
+    "members-ab": ((P(("a", "b")), P(("a", "b")), P(("a", "b"))), (6, 10, 8), P(("a", "b"), None, None)),
+    "rows-b": (
+        (P("a", "b"), P("a"), P("a")),
+        (3, 10, 8),
+        P("a", "b", None),
+    ),  # each device's rows of its members
+    "cols-b": (
+        (P("a"), P("a", None, "b"), P("a", "b")),
+        (6, 10, 4),
+        P("a", None, "b"),
+    ),  # its columns (the aux cut)
+    "whole-rows-b": (
+        (P(None, "b"), P(), P()),
+        (3, 10, 8),
+        P(None, "b", None),
+    ),  # members whole, rows over "b"
+    "whole-cols-b": (
+        (P(), P(None, None, "b"), P(None, "b")),
+        (6, 10, 4),
+        P(None, None, "b"),
+    ),  # members whole, N over "b"
+}
+
+
 @pytest.mark.parametrize(
-    "specs, per_member, y_spec",
-    [
-        ((P("a"), P("a"), P("a")), (6, 10, 8), P("a", None, None)),  # "b" splits nothing
-        ((P(("a", "b")), P(("a", "b")), P(("a", "b"))), (6, 10, 8), P(("a", "b"), None, None)),
-        ((P("a", "b"), P("a"), P("a")), (3, 10, 8), P("a", "b", None)),  # each device's rows of its members
-        ((P("a"), P("a", None, "b"), P("a", "b")), (6, 10, 4), P("a", None, "b")),  # its columns (the aux cut)
-        ((P(None, "b"), P(), P()), (3, 10, 8), P(None, "b", None)),  # members whole, rows over "b"
-        ((P(), P(None, None, "b"), P(None, "b")), (6, 10, 4), P(None, None, "b")),  # members whole, N over "b"
+    "partitioner, specs, per_member, y_spec",
+    [pytest.param("shardy", *case, id=f"shardy-{name}") for name, case in _TWO_AXIS_ENSEMBLES.items()]
+    + [
+        pytest.param("gspmd", *_TWO_AXIS_ENSEMBLES[name], id=f"gspmd-{name}")
+        for name in ("members-ab", "cols-b")
     ],
-    ids=["members-a", "members-ab", "rows-b", "cols-b", "whole-rows-b", "whole-cols-b"],
+    indirect=["partitioner"],
 )
 def test_explicit_sharding_ensemble_on_a_two_axis_mesh(rng, seen, specs, per_member, y_spec, partitioner):
     """On a 2x2 explicit mesh the members, each member's rows and its N stay split as they
@@ -1002,7 +1174,11 @@ def test_explicit_sharding_ensemble_on_a_two_axis_mesh(rng, seen, specs, per_mem
     gathered for a loop wherever another axis split an operand, and members no axis split
     looped). Values, types and gradients as the expression's."""
     m = mesh((2, 2), ("a", "b"), AxisType.Explicit)
-    x, w, b = rng.standard_normal((8, 6, 10)), rng.standard_normal((8, 10, 8)) / 3, rng.standard_normal((8, 8))
+    x, w, b = (
+        rng.standard_normal((8, 6, 10)),
+        rng.standard_normal((8, 10, 8)) / 3,
+        rng.standard_normal((8, 8)),
+    )
     args = [put(m, a, *spec) for a, spec in zip((x, w, b), specs)]
     layer = jax.vmap(functools.partial(fused_dense, activation="gelu"))
     plain = lambda x, w, b: act_fn("gelu")(jnp.einsum("emk,ekn->emn", x, w) + b[:, None])
@@ -1015,7 +1191,7 @@ def test_explicit_sharding_ensemble_on_a_two_axis_mesh(rng, seen, specs, per_mem
     assert "shard_map" not in str(jax.make_jaxpr(layer)(*args))
     loss = lambda f: lambda *a: jnp.sum(f(*a) ** 2)
     got = jax.jit(jax.grad(loss(layer), argnums=(0, 1, 2)))(*args)
-    for g, want, primal in zip(got, jax.grad(loss(plain), argnums=(0, 1, 2))(x, w, b), args):
+    for g, want, primal in zip(got, jax.jit(jax.grad(loss(plain), argnums=(0, 1, 2)))(x, w, b), args):
         assert_near(g, want)
         assert jax.typeof(g).sharding.spec == jax.typeof(primal).sharding.spec
 
@@ -1030,7 +1206,11 @@ def test_explicit_sharding_per_example_model_over_an_ensemble_keeps_every_split(
     where both are split too (two examples a device), so one members_p runs where a loop
     ran before; nothing gathered; values, gradients and types as the expression's."""
     m = mesh((2, 2), ("a", "b"), AxisType.Explicit)
-    x, w, b = rng.standard_normal((4, 4, 6, 10)), rng.standard_normal((4, 10, 8)) / 3, rng.standard_normal((4, 8))
+    x, w, b = (
+        rng.standard_normal((4, 4, 6, 10)),
+        rng.standard_normal((4, 10, 8)) / 3,
+        rng.standard_normal((4, 8)),
+    )
     args = [put(m, x, *x_spec), put(m, w, *w_spec), put(m, b, *w_spec)]
     model = jax.vmap(jax.vmap(functools.partial(fused_dense, activation="relu")), in_axes=(0, None, None))
     plain = lambda x, w, b: act_fn("relu")(jnp.einsum("pemk,ekn->pemn", x, w) + b[:, None])
@@ -1041,7 +1221,9 @@ def test_explicit_sharding_per_example_model_over_an_ensemble_keeps_every_split(
     assert collectives(f.lower(*args).compile().as_text()) == NO_COLLECTIVES
     loss = lambda f: lambda *a: jnp.sum(f(*a) ** 2)
     got = jax.jit(jax.grad(loss(model), argnums=(0, 1, 2)))(*args)
-    for g, want, primal in zip(got, jax.grad(loss(plain), argnums=(0, 1, 2))(x, w, b), args, strict=True):
+    for g, want, primal in zip(
+        got, jax.jit(jax.grad(loss(plain), argnums=(0, 1, 2)))(x, w, b), args, strict=True
+    ):
         assert_near(g, want)
         assert jax.typeof(g).sharding.spec == jax.typeof(primal).sharding.spec
 
@@ -1053,16 +1235,30 @@ def test_explicit_sharding_ensemble_inside_a_shard_map_over_the_other_axis(rng, 
     gathering over "b", and the members' loop takes its members whole (lax.map refuses a
     split axis). Values and gradients as the expression's."""
     m = mesh((2, 2), ("a", "b"), AxisType.Explicit)
-    x, w, b = rng.standard_normal((2, 4, 6, 10)), rng.standard_normal((4, 10, 8)) / 3, rng.standard_normal((4, 8))
-    x_spec, w_spec = {"members-b": (("a", "b"), ("b",)), "rows-b": (("a", None, "b"), ()), "whole": (("a",), ())}[split]
+    x, w, b = (
+        rng.standard_normal((2, 4, 6, 10)),
+        rng.standard_normal((4, 10, 8)) / 3,
+        rng.standard_normal((4, 8)),
+    )
+    x_spec, w_spec = {
+        "members-b": (("a", "b"), ("b",)),
+        "rows-b": (("a", None, "b"), ()),
+        "whole": (("a",), ()),
+    }[split]
     args = [put(m, x, *x_spec), put(m, w, *w_spec), put(m, b, *w_spec)]
     layer = jax.vmap(functools.partial(fused_dense, activation="gelu"))
-    f = jax.shard_map(lambda x, w, b: layer(x[0], w, b)[None], mesh=m, in_specs=(P("a"), P(), P()), out_specs=P("a"), axis_names={"a"})
+    f = jax.shard_map(
+        lambda x, w, b: layer(x[0], w, b)[None],
+        mesh=m,
+        in_specs=(P("a"), P(), P()),
+        out_specs=P("a"),
+        axis_names={"a"},
+    )
     plain = lambda x, w, b: act_fn("gelu")(jnp.einsum("semk,ekn->semn", x, w) + b[:, None])
     assert_near(jax.jit(f)(*args), plain(x, w, b))
     loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))
     got = jax.jit(jax.grad(loss(f), argnums=(0, 1, 2)))(*args)
-    for g, want in zip(got, jax.grad(loss(plain), argnums=(0, 1, 2))(x, w, b), strict=True):
+    for g, want in zip(got, jax.jit(jax.grad(loss(plain), argnums=(0, 1, 2)))(x, w, b), strict=True):
         assert_near(g, want)
 
 
@@ -1071,14 +1267,18 @@ def test_explicit_sharding_ensemble_beside_an_auto_axis_keeps_members_split(rng)
     device loops over its own (a shard_map manual over that axis; before, the members
     were gathered), no collective, values and gradients as the expression's."""
     m = jax.make_mesh((2, 2), ("a", "b"), axis_types=(AxisType.Explicit, AxisType.Auto), devices=CPUS[:4])
-    x, w, b = rng.standard_normal((4, 6, 10)), rng.standard_normal((4, 10, 12)) / 3, rng.standard_normal((4, 12))
+    x, w, b = (
+        rng.standard_normal((4, 6, 10)),
+        rng.standard_normal((4, 10, 12)) / 3,
+        rng.standard_normal((4, 12)),
+    )
     args = [put(m, a, "a") for a in (x, w, b)]
     layer = jax.vmap(functools.partial(fused_dense, activation="gelu"))
     plain = lambda x, w, b: act_fn("gelu")(jnp.einsum("emk,ekn->emn", x, w) + b[:, None])
     loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))
     grad = jax.jit(jax.grad(loss(layer), argnums=(0, 1, 2)))
     assert_near(jax.jit(layer)(*args), plain(x, w, b))
-    for g, want in zip(grad(*args), jax.grad(loss(plain), argnums=(0, 1, 2))(x, w, b), strict=True):
+    for g, want in zip(grad(*args), jax.jit(jax.grad(loss(plain), argnums=(0, 1, 2)))(x, w, b), strict=True):
         assert_near(g, want)
     for f in (jax.jit(layer), grad):
         assert collectives(f.lower(*args).compile().as_text()) == NO_COLLECTIVES
@@ -1090,7 +1290,11 @@ def test_explicit_sharding_ensemble_of_ensembles_split_over_both_axes(rng):
     types as the expression's (before, the inner shard_map named an axis the outer vmap had
     taken, and jax refused it; later the members were gathered for a loop)."""
     m = mesh((2, 2), ("a", "b"), AxisType.Explicit)
-    x, w, b = rng.standard_normal((6, 10)), rng.standard_normal((2, 4, 10, 8)) / 3, rng.standard_normal((2, 4, 8))
+    x, w, b = (
+        rng.standard_normal((6, 10)),
+        rng.standard_normal((2, 4, 10, 8)) / 3,
+        rng.standard_normal((2, 4, 8)),
+    )
     args = [put(m, x), put(m, w, "a", "b"), put(m, b, "a", "b")]
     layer = functools.partial(fused_dense, activation="gelu")
     nested = jax.vmap(jax.vmap(layer, in_axes=(None, 0, 0)), in_axes=(None, 0, 0))
@@ -1101,13 +1305,16 @@ def test_explicit_sharding_ensemble_of_ensembles_split_over_both_axes(rng):
     assert collectives(jax.jit(nested).lower(*args).compile().as_text()) == NO_COLLECTIVES
     loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))
     got = jax.jit(jax.grad(loss(nested), argnums=(0, 1, 2)))(*args)
-    for g, want, primal in zip(got, jax.grad(loss(plain), argnums=(0, 1, 2))(x, w, b), args, strict=True):
+    for g, want, primal in zip(
+        got, jax.jit(jax.grad(loss(plain), argnums=(0, 1, 2)))(x, w, b), args, strict=True
+    ):
         assert_near(g, want)
         assert jax.typeof(g).sharding.spec == jax.typeof(primal).sharding.spec
 
 
 @pytest.mark.parametrize(
-    "activation,n", [("gelu", 2 * 4), ("gelu", 2 * 5), ("relu", 2 * 64), ("relu", 2 * 20)],
+    "activation,n",
+    [("gelu", 2 * 4), ("gelu", 2 * 5), ("relu", 2 * 64), ("relu", 2 * 20)],
     ids=["gelu-cut", "gelu-padded", "relu-cut", "relu-padded"],
 )
 def test_explicit_sharding_ensemble_gradient_with_n_split_finer_than_the_aux(rng, activation, n):
@@ -1116,14 +1323,18 @@ def test_explicit_sharding_ensemble_gradient_with_n_split_finer_than_the_aux(rng
     cuts its share of the aux, or, where the aux is padded, computes every column and keeps
     its own), so the custom_vjp's check under a jitted vmap accepts it."""
     m = mesh((2, 2), ("a", "b"), AxisType.Explicit)
-    x, w, b = rng.standard_normal((8, 6, 10)), rng.standard_normal((8, 10, n)) / 3, rng.standard_normal((8, n))
+    x, w, b = (
+        rng.standard_normal((8, 6, 10)),
+        rng.standard_normal((8, 10, n)) / 3,
+        rng.standard_normal((8, n)),
+    )
     specs = (P("a"), P("a", None, "b"), P("a", "b"))
     args = [put(m, jnp.asarray(a, jnp.float32), *spec) for a, spec in zip((x, w, b), specs)]
     layer = jax.jit(jax.vmap(functools.partial(fused_dense, activation=activation)))
     plain = lambda x, w, b: act_fn(activation)(jnp.einsum("emk,ekn->emn", x, w) + b[:, None])
     loss = lambda f: lambda *a: jnp.sum(f(*a) ** 2)
     got = jax.jit(jax.grad(loss(layer), argnums=(0, 1, 2)))(*args)
-    for g, want, primal in zip(got, jax.grad(loss(plain), argnums=(0, 1, 2))(x, w, b), args):
+    for g, want, primal in zip(got, jax.jit(jax.grad(loss(plain), argnums=(0, 1, 2)))(x, w, b), args):
         want = np.asarray(want)  # float64, against float32 gradients
         np.testing.assert_allclose(np.asarray(g), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
         assert jax.typeof(g).sharding.spec == jax.typeof(primal).sharding.spec
@@ -1149,39 +1360,44 @@ def test_explicit_sharding_ensemble_of_fused_mlps_keeps_members_split(rng):
     args = [put(m, jnp.asarray(a, jnp.float32), "data") for a in (x, w1, b1, w2)]  # (float64 is not linked)
     ops = str(jax.make_jaxpr(unjitted)(*args))
     assert "jax_epilog_members" in ops and "jax_epilog_fused_gelu_input_grad" not in ops
-    for got, ref in zip(grad(*args), jax.grad(loss(plain), argnums=(0, 1, 2, 3))(x, w1, b1, w2)):
+    for got, ref in zip(grad(*args), jax.jit(jax.grad(loss(plain), argnums=(0, 1, 2, 3)))(x, w1, b1, w2)):
         ref = np.asarray(ref)  # float64, against float32 gradients
         np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
         assert jax.typeof(got).sharding.spec[0] == "data"
-    assert collectives(grad.lower(*args).compile().as_text()) == {"all-gather": 0, "all-reduce": 0, "all-to-all": 0}
+    assert collectives(grad.lower(*args).compile().as_text()) == {
+        "all-gather": 0,
+        "all-reduce": 0,
+        "all-to-all": 0,
+    }
 
 
-def _assert_padded_gradients_match_unpadded(monkeypatch, f, args, op=None, unpadded_pads=0):
-    """jax.grad of sum(f(*args)**2) on padded rows (the padding's size floors lowered; the
-    program holds ``op``, where given) against the same program never padded, which holds
-    ``unpadded_pads`` pad ops (an aux's): every gradient typed as its primal, and the values
-    those of the unpadded program."""
-    monkeypatch.setattr(_primitive, "_PAD_MIN_ROWS", 0)
-    monkeypatch.setattr(_primitive, "_PAD_MIN_WORK", 0)
+def _assert_padded_gradients_match_unpadded(f, args, op=None, unpadded_pads=0, **policy):
+    """jax.grad of sum(f(*args)**2) on padded rows (padding at any size; ``policy``: more
+    fields to override; the program holds ``op``, where given) against the same program
+    never padded (``row_bytes=1``), which holds ``unpadded_pads`` pad ops (an aux's): every
+    gradient typed as its primal, and the values those of the unpadded program."""
 
     def gradients():  # (a new function each time: JAX caches traces by function)
         argnums = tuple(range(len(args)))
         grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32) ** 2), argnums=argnums)
         return jax.jit(grad)(*args), str(jax.make_jaxpr(grad)(*args))
 
-    padded, text = gradients()
-    assert op is None or op in text
-    monkeypatch.setattr(_primitive, "_ROW_BYTES", 1)
-    unpadded, unpadded_text = gradients()
+    with override_policy(pad_min_rows=0, pad_min_work=0, **policy):
+        padded, text = gradients()
+        assert op is None or op in text
+        with override_policy(row_bytes=1):
+            unpadded, unpadded_text = gradients()
     assert " pad[" in text and unpadded_text.count(" pad[") == unpadded_pads, unpadded_text.count(" pad[")
     for got, want, primal in zip(padded, unpadded, args, strict=True):
         assert jax.typeof(got).sharding.spec == jax.typeof(primal).sharding.spec
         want = np.asarray(want, np.float32)
-        np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
+        np.testing.assert_allclose(
+            np.asarray(got, np.float32), want, rtol=2e-2, atol=2e-2 * np.abs(want).max()
+        )
 
 
 @pytest.mark.parametrize("implementation", ["cublaslt", "auto"])
-def test_padded_backward_under_explicit_sharding(rng, monkeypatch, implementation):
+def test_padded_backward_under_explicit_sharding(rng, implementation):
     """The backward's GEMMs on padded rows (bfloat16 K = 10 and a column-parallel N = 258
     pad to 16 and 264) under explicit sharding: every gradient typed as its primal, and the
     values those of the unpadded program."""
@@ -1189,17 +1405,16 @@ def test_padded_backward_under_explicit_sharding(rng, monkeypatch, implementatio
     x, w, b = (jnp.asarray(a, jnp.bfloat16) for a in operands(rng, 4 * 3, 10, 2 * 129))
     args = (put(m, x, "data"), put(m, w, None, "model"), put(m, b, "model"))
     f = functools.partial(jax_epilog.fused_dense, activation="gelu", implementation=implementation)
-    _assert_padded_gradients_match_unpadded(monkeypatch, f, args)
+    _assert_padded_gradients_match_unpadded(f, args)
 
 
 @pytest.mark.parametrize("implementation", ["cublaslt", "auto"])
-def test_padded_linked_mlp_backward_under_explicit_sharding(rng, monkeypatch, implementation):
+def test_padded_linked_mlp_backward_under_explicit_sharding(rng, implementation):
     """fused_mlp's linked backward on padded rows (bfloat16 K = 10, a column-parallel
     N = 258 that pads to 264, then a row-parallel layer to 7 columns, which pad to 8) under
     explicit sharding: every gradient typed as its primal, and the values those of the
     unpadded program. "auto" (linked at any size here) runs both layers' forwards as
     XLA's expressions on the padded rows."""
-    monkeypatch.setattr(jax_epilog._mlp, "_AUTO_LINK_MIN_ROWS", 0)
     m = mesh((2, 2), ("data", "model"), AxisType.Explicit)
     x, w1, b1 = (jnp.asarray(a, jnp.bfloat16) for a in operands(rng, 4 * 3, 10, 2 * 129))
     _, w2, b2 = (jnp.asarray(a, jnp.bfloat16) for a in operands(rng, 1, 2 * 129, 7))
@@ -1211,4 +1426,69 @@ def test_padded_linked_mlp_backward_under_explicit_sharding(rng, monkeypatch, im
 
     # ("auto"'s XLA forward pads the GELU layer's z to the aux's 8-column rows either way.)
     aux_pads = 1 if implementation == "auto" else 0
-    _assert_padded_gradients_match_unpadded(monkeypatch, mlp, args, "jax_epilog_fused_gelu_input_grad", aux_pads)
+    _assert_padded_gradients_match_unpadded(
+        mlp, args, "jax_epilog_fused_gelu_input_grad", aux_pads, link_min_rows=0
+    )
+
+
+# ------------------------------------------------------------------------ on a GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_explicit_sharding_on_the_gpu_runs_the_fused_path(rng, activation):
+    """Under an explicit mesh (jax.make_mesh's default) the primitives' results are typed with
+    the mesh's shardings and the cotangents are resharded to their primals' types
+    (_partition.typed / _typing.like): on one GPU the forward and its gradient still lower
+    to our custom calls and give the oracle's numbers."""
+    mesh_ = jax.make_mesh((1,), ("data",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:1])
+    x, w, b = (jnp.asarray(a, jnp.float32) for a in operands(rng, 96, 72, 40))
+    dy = jnp.asarray(rng.standard_normal((96, 40)), jnp.float32)
+    rows, whole = NamedSharding(mesh_, P("data")), NamedSharding(mesh_, P())
+    x, dy = jax.device_put(x, rows), jax.device_put(dy, rows)
+    w, b = jax.device_put(w, whole), jax.device_put(b, whole)
+
+    loss = lambda x, w, b: jnp.sum(fused_dense(x, w, b, activation=activation) * dy)
+    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+    text = grad.lower(x, w, b).as_text()
+    # the forward, and for GELU the BGRADA GEMM (ReLU's bias gradient is XLA's reduction)
+    assert text.count("@jax_epilog_fused_matmul(") == (2 if activation == "gelu" else 1), text
+    value, grads = grad(x, w, b)
+
+    x64, w64, b64, dy64 = (np.asarray(a, np.float64) for a in (x, w, b, dy))
+    y, z = oracle(x64, w64, b64, activation)
+    assert_scaled_close(value, np.sum(y * dy64), GPU_TOL["float32"] * 10)
+    if activation == "relu":
+        dz = dy64 * (z > 0)
+    else:
+        t = np.sqrt(2 / np.pi) * (z + 0.044715 * z**3)
+        dz = dy64 * (
+            0.5 * (1 + np.tanh(t))
+            + 0.5 * z * (1 - np.tanh(t) ** 2) * np.sqrt(2 / np.pi) * (1 + 3 * 0.044715 * z**2)
+        )
+    for g, want, primal in zip(grads, (dz @ w64.T, x64.T @ dz, dz.sum(0)), (x, w, b), strict=True):
+        assert_scaled_close(g, want, GPU_TOL["float32"] * 10)
+        assert jax.typeof(g).sharding.spec == jax.typeof(primal).sharding.spec
+
+
+@pytest.mark.gpu
+def test_inside_shard_map_the_fused_path_runs_and_differentiates(rng):
+    """A shard_map over a mesh of one GPU: the primitives lower directly to our custom
+    calls (the forward and BGRADA), typed as varying over the manual axis, and the weight
+    gradients (summed over that axis) match the oracle's."""
+    mesh_ = jax.make_mesh((1,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices()[:1])
+    x, w, b = (jnp.asarray(a, jnp.bfloat16) for a in operands(rng, 48, 40, 72))
+    layer = jax.shard_map(
+        lambda x, w, b: fused_dense(x, w, b, activation="gelu"),
+        mesh=mesh_,
+        in_specs=(P("data"), P(), P()),
+        out_specs=P("data"),
+    )
+    loss = lambda *a: jnp.sum(layer(*a).astype(jnp.float32))
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    assert grad.lower(x, w, b).as_text().count("@jax_epilog_fused_matmul(") == 2  # the forward and BGRADA
+    assert_scaled_close(jax.jit(layer)(x, w, b), oracle(x, w, b, "gelu")[0], GPU_TOL["bfloat16"])
+    plain = lambda x, w, b: jnp.sum(jax.nn.gelu(x @ w + b, approximate=True))
+    f32 = [a.astype(jnp.float32) for a in (x, w, b)]
+    for g, want in zip(grad(x, w, b), jax.grad(plain, argnums=(0, 1, 2))(*f32), strict=True):
+        assert_scaled_close(g, want, GPU_TOL["bfloat16"])

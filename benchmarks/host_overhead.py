@@ -1,6 +1,16 @@
-"""Where the fused call's host time goes: Plan.run alone, cublasLtMatmul alone, the handler.
+"""Where the fused call's host time goes: one plan's run() with and without graph replay,
+and the FFI handler inside jitted calls, step by step.
 
     python -m benchmarks.host_overhead
+
+A 256x256->256 bfloat16 ReLU problem (a bit-mask aux), on scratch buffers:
+
+- ``Plan.run`` with the same pointers, replaying the one-GEMM CUDA graph it captured
+  (``Policy.replay``), and the same with replay off (``cublasLtMatmul`` at every call);
+- ``Plan.run`` alternating two bias pointers (a descriptor attribute set at every call
+  without replay), and rotating A, B, D over eight buffer sets;
+- a jitted ``fused_dense`` called back to back and synchronised each call, beside XLA's
+  program, with the handler's host µs per run (mean, and the median of its runs).
 """
 
 from __future__ import annotations
@@ -12,13 +22,17 @@ import cupy as cp
 import jax
 import jax.numpy as jnp
 import numpy as np
-from nvmath.bindings import cublasLt
 
-from jax_epilog import _ffi, _nvmath, fused_dense
+import jax_epilog
+from jax_epilog import fused_dense
 from jax_epilog._epilogs import EpilogSpec
+from jax_epilog.cuda.ffi import recording
+from jax_epilog.cuda.plan import Plan, alignment_of, current_device, get_plan
 
 
-def per_call_us(fn, n=2000):
+def per_call_us(fn, n=2000) -> float:
+    """Median µs per call of ``fn`` over five loops of ``n`` calls (the host's time: the
+    GPU work is queued, and waited for once at the end)."""
     fn()
     samples = []
     for _ in range(5):
@@ -30,64 +44,62 @@ def per_call_us(fn, n=2000):
     return statistics.median(samples)
 
 
-def main():
-    m = k = n = 256
-    spec = EpilogSpec(m, n, k, "RELU_AUX_BIAS", "COMPUTE_32F", "bfloat16", "bfloat16", "bfloat16")
-    plan = _nvmath.get_plan(spec, 0)
+def plan_rows(spec: EpilogSpec) -> None:
+    device = current_device()
+    plan = get_plan(spec, device)
     bufs = [cp.zeros(1 << 20, cp.uint8) for _ in range(6)]
     a, b, bias, bias2, d, aux = (x.data.ptr for x in bufs)
     stream = cp.cuda.Stream(non_blocking=True)
     s = stream.ptr
-    print(f"Plan.run same pointers      {per_call_us(lambda: plan.run(s, a, b, bias, d, aux)):6.2f} µs"
-          f"  (replays a CUDA graph: {len(plan._graphs)} made)")
-    print(f"Plan._matmul same pointers  {per_call_us(lambda: plan._matmul(s, a, b, bias, d, aux)):6.2f} µs")
-    flip = [bias, bias2]
-    i = [0]
+    replayed = per_call_us(lambda: plan.run(s, a, b, bias, d, aux))
+    print(f"Plan.run same pointers, replayed       {replayed:6.2f} µs ({plan.replay_stats[0]} graphs kept)")
+    with jax_epilog.override_policy(replay=False):
+        direct = Plan(spec, device, 256)
+        print(
+            f"Plan.run same pointers, replay off     {per_call_us(lambda: direct.run(s, a, b, bias, d, aux)):6.2f} µs"
+        )
+        flip, i = [bias, bias2], [0]
 
-    def alternating():  # as when call sites of one problem alternate: one attribute set each
-        i[0] ^= 1
-        plan.run(s, a, b, flip[i[0]], d, aux)
+        def alternating():  # call sites of one problem taking turns: one attribute set each
+            i[0] ^= 1
+            direct.run(s, a, b, flip[i[0]], d, aux)
 
-    print(f"Plan.run alternating bias   {per_call_us(alternating):6.2f} µs")
-    # As when XLA hands each call other operand and output addresses: does cuBLASLt's own
-    # per-call cost depend on the pointers it saw last? (bias and aux stay, so our code
-    # sets no descriptor attribute here.)
+        print(f"Plan.run alternating bias, replay off  {per_call_us(alternating):6.2f} µs")
     arrays = [cp.zeros(1 << 20, cp.uint8) for _ in range(24)]
     sets = [tuple(x.data.ptr for x in arrays[j : j + 3]) for j in range(0, 24, 3)]
 
-    def rotating():
+    def rotating():  # as when XLA hands each call other operand and output addresses
         i[0] = (i[0] + 1) % len(sets)
         a_, b_, d_ = sets[i[0]]
         plan.run(s, a_, b_, bias, d_, aux)
 
-    print(f"Plan.run A, B, D rotating over 8 sets {per_call_us(rotating):6.2f} µs")
-    lay = plan._layouts
+    print(f"Plan.run A, B, D rotating over 8 sets  {per_call_us(rotating):6.2f} µs")
+    print(
+        f"alignment_of                           {per_call_us(lambda: alignment_of(a, b, d, bias, aux)):6.2f} µs"
+    )
 
-    def raw():
-        cublasLt.matmul(plan._handle, plan._desc, plan._alpha, a, lay[0], b, lay[1], plan._beta,
-                        d, lay[2], d, lay[3], plan._algo, plan._ws_ptr, plan._ws_size, s)
 
-    print(f"cublasLt.matmul alone       {per_call_us(raw):6.2f} µs")
-    print(f"alignment_of                {per_call_us(lambda: _nvmath.alignment_of(a, b, d, bias, aux)):6.2f} µs")
-
-    x = jnp.ones((m, k), jnp.bfloat16)
-    w = jnp.ones((k, n), jnp.bfloat16)
-    bb = jnp.ones((n,), jnp.bfloat16)
+def jit_rows(m: int, k: int, n: int) -> None:
+    x, w, b = jnp.ones((m, k), jnp.bfloat16), jnp.ones((k, n), jnp.bfloat16), jnp.ones((n,), jnp.bfloat16)
     f = jax.jit(lambda x, w, b: fused_dense(x, w, b, activation="relu", implementation="cublaslt"))
     g = jax.jit(lambda x, w, b: jax.nn.relu(x @ w + b))
-    f(x, w, bb).block_until_ready()
-    loops = [("sync each call", lambda: f(x, w, bb).block_until_ready()), ("back to back", lambda: f(x, w, bb))]
+    f(x, w, b).block_until_ready()
+    loops = [("sync each call", lambda: f(x, w, b).block_until_ready()), ("back to back", lambda: f(x, w, b))]
     for label, call in loops:
-        c0, ns0, _ = _ffi.handler_stats()
-        _ffi.trace_handler(True)
-        tf = per_call_us(call, 500)
-        trace = np.diff(np.asarray(_ffi.trace_handler(False), dtype=np.int64), axis=1) / 1e3
-        c1, ns1, _ = _ffi.handler_stats()
-        tg = per_call_us(lambda: g(x, w, bb).block_until_ready(), 500)
-        steps = ("decode", "stream", "lookup", "cuBLASLt")
-        parts = ", ".join(f"{name} {v:.2f}" for name, v in zip(steps, np.median(trace, axis=0)))
-        print(f"jit fused ({label}) {tf:6.2f} µs; XLA {tg:6.2f} µs; handler "
-              f"{(ns1 - ns0) / (c1 - c0) / 1e3:6.2f} µs/call (medians: {parts} µs)")
+        with recording(trace=True) as stats:
+            tf = per_call_us(call, 500)
+        tg = per_call_us(lambda: g(x, w, b).block_until_ready(), 500)
+        runs = np.diff(np.asarray(stats.trace, dtype=np.int64), axis=1) / 1e3 if stats.trace else np.zeros(1)
+        print(
+            f"jit fused ({label}) {tf:6.2f} µs; XLA {tg:6.2f} µs; handler "
+            f"{stats.busy_ns / max(1, stats.calls) / 1e3:6.2f} µs/run (median {np.median(runs):.2f} µs)"
+        )
+
+
+def main():
+    m = k = n = 256
+    plan_rows(EpilogSpec(m, n, k, "RELU_AUX_BIAS", "COMPUTE_32F", "bfloat16", "bfloat16", "bfloat16"))
+    jit_rows(m, k, n)
 
 
 if __name__ == "__main__":

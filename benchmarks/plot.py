@@ -14,7 +14,7 @@ import json
 import math
 import os
 
-from benchmarks.run import group_rows, ordered_unique, speedup, table_title
+from benchmarks.suite_report import group_rows, ordered_unique, speedup, table_title
 
 
 def _by_case(rows: list[dict]) -> dict[str, dict[str, dict]]:

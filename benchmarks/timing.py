@@ -11,7 +11,17 @@ from typing import NamedTuple
 
 import jax
 
-__all__ = ["EventClock", "Settings", "Timing", "WallClock", "measure", "measure_interleaved"]
+__all__ = [
+    "FULL",
+    "QUICK",
+    "SMOKE",
+    "EventClock",
+    "Settings",
+    "Timing",
+    "WallClock",
+    "measure",
+    "measure_interleaved",
+]
 
 
 @dataclass(frozen=True)
@@ -22,6 +32,11 @@ class Settings:
     warmup: int = 2
     max_calls: int = 50_000
     order: str = "rotate"  # each round's contender order: a key of ROUND_ORDERS
+
+
+# The suite's settings: --quick, --full, and --cpu-smoke (two samples of two calls).
+QUICK, FULL = Settings(samples=5), Settings(samples=7)
+SMOKE = Settings(samples=2, min_calls=2, sample_s=0.0, warmup=1)
 
 
 def _rotate(s: int, n: int) -> list[int]:
@@ -66,15 +81,12 @@ def measure_interleaved(contenders: list[tuple], settings: Settings) -> list[Tim
 
     Every contender is warmed up and its batch length set first; then the samples go
     round: sample s of each contender before sample s + 1 of any. The GPU's clocks drift
-    over a run (by several per cent over seconds of sustained load), and this way the
-    drift touches every contender alike instead of whichever ran last. The order within
-    a round is ``settings.order`` (ROUND_ORDERS): by default round s starts with contender
-    s (mod their number): at a power-limited size the slot a contender takes in the round
-    moved its time by 3-5% on the H200 (the same kernel in two slots,
-    benchmarks/results/2026-12-03-h200-l-tuner/run6/order.txt), so no contender keeps one.
-    No round order removes every effect of the order: of two identical programs, the one
-    listed first in ``contenders`` timed up to 6% faster under each of ROUND_ORDERS
-    (benchmarks/probes/round_order.py, 2026-12-03 (s)).
+    under sustained load (at a power-limited size by several per cent over seconds), and
+    this way the drift touches every contender alike instead of whichever ran last. The
+    order within a round is ``settings.order`` (ROUND_ORDERS): by default round s starts
+    with contender s (mod their number), so no contender keeps one slot in the round. No
+    order removes every effect of the list: of two identical programs, the one listed
+    first has timed up to 6% faster at 8192x4096->16384 on an H200 (docs/performance.md).
     """
     made = [0] * len(contenders)
 

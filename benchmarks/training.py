@@ -3,7 +3,7 @@ two-layer MLP block through fused_mlp, and the transformer-MLP example's steps/s
 FusedMLP, FusedDense and nn.Dense.
 
     python -m benchmarks.training --out DIR [--part grad|mlp|example|all]
-                                  [--mlp-activations gelu [relu]]
+                                  [--mlp-activations gelu [relu]] [--policy FIELD=VALUE ...]
 
 fwd+bwd rows time ``jax.jit(jax.grad(loss, argnums=(0, 1, 2)))`` with
 ``loss = sum(act(x @ w + b))`` (summed in float32; XLA then need not form the output at
@@ -41,14 +41,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.forward import (
+from benchmarks.common import (
     activation_fn,
+    add_policy_option,
+    layer_inputs,
     output_and_vjp,
+    policy,
+    policy_changes,
     single_layers,
     time_jax_interleaved,
     write_results,
 )
-from jax_epilog import FastPathWarning, _ffi, fused_dense, fused_mlp
+from jax_epilog import FastPathWarning, fused_dense, fused_mlp
+from jax_epilog.cuda.ffi import recording
 
 GRAD_SHAPES = [(8192, 1024, 4096), (8192, 4096, 16384), (8192, 4096, 1024)]
 # (M, D): M×D -> 4D -> D; the transformer example's block, a large one, and fewer rows
@@ -58,16 +63,6 @@ MLP_CONTENDERS = ("xla", "fused_dense", "fused_mlp", "fused_mlp_cublaslt")
 # fwd+bwd of one layer: fused_dense with the cuBLASLt backward ("fused"), fused_dense as
 # users call it ("auto": XLA's autodiff under jax.grad), and XLA's jit of the expression.
 GRAD_CONTENDERS = ("fused", "auto", "xla")
-
-
-def layer_inputs(
-    m: int, k: int, n: int, rng: np.random.Generator, dtype=jnp.bfloat16, bias_scale: float = 0.1
-):
-    """x ~ N(0, 1) of shape (m, k), kernel ~ N(0, 1/k), bias ~ N(0, bias_scale²); bf16 unless told."""
-    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
-    w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), dtype)
-    b = jnp.asarray(rng.standard_normal(n) * bias_scale, dtype)
-    return x, w, b
 
 
 def grad_steps(activation: str, mode: str = "fwd+bwd"):
@@ -87,15 +82,14 @@ def bench_grad(rows, shapes=GRAD_SHAPES, modes=("fwd+bwd", "fwd+vjp")):
         for activation, mode in itertools.product(("relu", "gelu"), modes):
             steps = grad_steps(activation, mode)
             args = (x, w, b, dy) if mode == "fwd+vjp" else (x, w, b)
-            calls0, ns0, _ = _ffi.handler_stats()
-            times = dict(zip(steps, time_jax_interleaved(*[(s, args) for s in steps.values()])))
-            calls1, ns1, _ = _ffi.handler_stats()
+            with recording() as stats:
+                times = dict(zip(steps, time_jax_interleaved(*[(s, args) for s in steps.values()])))
             flops = 6 * m * n * k
             row = dict(
                 shape=f"{m}x{k}->{n}", dtype="bfloat16", activation=activation, mode=mode,
                 **{f"{c}_us": t for c, t in times.items()},
                 **{f"{c}_tflops": flops / t / 1e6 for c, t in times.items()},
-                handler_calls=calls1 - calls0, handler_host_us=(ns1 - ns0) / max(1, calls1 - calls0) / 1e3,
+                handler_calls=stats.calls, handler_host_us=stats.busy_ns / max(1, stats.calls) / 1e3,
             )  # fmt: skip
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -109,7 +103,9 @@ def mlp_block(contender: str, activation: str = "gelu"):
     if contender == "fused_dense":
         return lambda x, w1, b1, w2, b2: fused_dense(fused_dense(x, w1, b1, activation=activation), w2, b2)
     impl = "cublaslt" if contender.endswith("cublaslt") else "auto"
-    return lambda x, w1, b1, w2, b2: fused_mlp(x, [(w1, b1), (w2, b2)], [activation, None], implementation=impl)
+    return lambda x, w1, b1, w2, b2: fused_mlp(
+        x, [(w1, b1), (w2, b2)], [activation, None], implementation=impl
+    )
 
 
 def mlp_inputs(m: int, d: int, dtype=jnp.bfloat16):
@@ -169,15 +165,14 @@ def bench_example(rows, size="large", implementations=("auto",), options=()):
     sys.modules[spec.name] = example  # flax's dataclasses look their module up
     spec.loader.exec_module(example)
     for implementation in implementations:
-        calls0 = _ffi.handler_stats()[0]
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), recording() as stats:
             warnings.simplefilter("error", FastPathWarning)  # the fused path, or no numbers
             argv = ["--size", size, *options, "--implementation", implementation]
             args = example.parse_args(argv)
             prepared = {key: example.setup(args, key) for key in example.LAYERS}
             result = example.main(argv, prepared)
             interleaved = time_example_steps(prepared)
-        print(f"handler executions during the example: {_ffi.handler_stats()[0] - calls0}")
+        print(f"handler executions during the example: {stats.calls}")
         for key in example.LAYERS:
             r = result[key]
             rows.append({
@@ -234,16 +229,23 @@ def main(argv=None):
     )
     parser.add_argument("--out", required=True, help="folder for training.json and training.md")
     parser.add_argument("--part", choices=("grad", "mlp", "example", "all"), default="all")
-    parser.add_argument("--mlp-activations", nargs="+", choices=("gelu", "relu"), default=["gelu"],
-                        help="the block's first activation(s) for the MLP rows (default: gelu)")
+    parser.add_argument(
+        "--mlp-activations",
+        nargs="+",
+        choices=("gelu", "relu"),
+        default=["gelu"],
+        help="the block's first activation(s) for the MLP rows (default: gelu)",
+    )
+    add_policy_option(parser)
     args = parser.parse_args(argv)
     rows: list[dict] = []
-    if args.part in ("grad", "all"):
-        bench_grad(rows)
-    if args.part in ("mlp", "all"):
-        bench_mlp(rows, args.mlp_activations)
-    if args.part in ("example", "all"):
-        bench_example(rows)
+    with policy(policy_changes(args.policy)):
+        if args.part in ("grad", "all"):
+            bench_grad(rows)
+        if args.part in ("mlp", "all"):
+            bench_mlp(rows, args.mlp_activations)
+        if args.part in ("example", "all"):
+            bench_example(rows)
     table = render(rows)
     write_results(args.out, "training", rows, table)
     print(table)

@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# The project's GPU check, run on the device in one call:
-#   the test suite (on a GPU every fused_dense test runs the cuBLASLt path), the quickstart,
-#   the host-overhead probe, the forward benchmark with XLA command buffers off and on, the
-#   training benchmark (fwd+bwd rows, transformer example), then the short tables.
-#   Everything is written to $OUT (8 files).
-# Knobs: TESTS (pytest arguments, default "-m gpu tests/": the GPU-marked tests),
-# SKIP_BENCH=1, FORWARD_LABELS (default "cmdbuf-off cmdbuf-on"), SKIP_TRAINING=1,
-# PROBES (benchmarks.probes modules run after the tests, each with --out $OUT/<probe>;
-# e.g. PROBES="ensemble second_order"; their logs in $OUT/probes.log).
-# Time on the H200: the GPU-marked tests take ~35 s; the whole suite on the GPU (where every
-# fused_dense test runs the cuBLASLt path) took over 7 minutes (1244 tests: 98% in 420 s,
-# 2026-12-03 (o)), so under a 10-minute limit per call run it on its own: TESTS=tests/ SKIP_BENCH=1.
+# The project's GPU check, in one call on a machine with an NVIDIA GPU. Writes to $OUT:
+#   checks.txt   the GPU, the quickstart, the host-overhead probe, the digits example
+#                (a fallback to XLA's path is an error there)
+#   pytest.log   the tests (by default the GPU-marked ones)
+#   forward-cmdbuf-{off,on}.json, forward.md   the forward benchmark, XLA's command buffers off and on
+#   training.{json,md}, bench.log              the training benchmark
+#   <probe>/, probes.log                       the probes named in PROBES
+# Knobs: OUT (default /tmp/jax_epilog_gpu_check), TESTS (pytest arguments, default
+# "-m gpu tests/"), PROBES (benchmarks.probes modules, e.g. "ensemble refusals"),
+# SKIP_BENCH=1, FORWARD_LABELS (default "cmdbuf-off cmdbuf-on"), SKIP_TRAINING=1.
+# The whole test suite on a GPU takes several minutes: run it on its own
+# (TESTS=tests/ SKIP_BENCH=1) where a call has a time limit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/jax_epilog_gpu_check}
@@ -20,13 +20,13 @@ status=0
 {
   nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
   python3 examples/quickstart.py && python3 -m benchmarks.host_overhead
-  # The digits example on the GPU; a fallback to XLA's path would be an error here.
   python3 -c "import runpy, sys, warnings, jax_epilog
 warnings.simplefilter('error', jax_epilog.FastPathWarning)
 sys.argv = ['examples/train_digits_mlp.py']
 runpy.run_path(sys.argv[0], run_name='__main__')" 2>&1 | tr '\r' '\n' | tail -n 4
 } >"$OUT/checks.txt" 2>&1 || status=1
 cat "$OUT/checks.txt"
+
 # shellcheck disable=SC2086
 python3 -m pytest -q -p no:cacheprovider ${TESTS:--m gpu tests/} >"$OUT/pytest.log" 2>&1 || status=1
 tail -n 15 "$OUT/pytest.log"

@@ -1,12 +1,12 @@
-"""Probe: is cuBLASLt's DRELU_BGRAD / DGELU_BGRAD epilog worth a cross-layer backward?
+"""Probe: which input-gradient epilog is worth a cross-layer backward (DRELU, DGELU, with BGRAD)?
 
     python -m benchmarks.probes.dgrad [--out DIR]
 
-In an MLP, layer l's input gradient ``dh = dz_l @ W_l.T`` is the output cotangent of
-layer l-1, whose backward then forms ``dz_{l-1} = dh * act'(z_{l-1})`` and
-``db_{l-1} = dz_{l-1}.sum(0)``. cuBLASLt can do all three in the dh GEMM's epilog, reading
-layer l-1's forward aux. This probe times, per shape (bf16, M rows, dh of width P from an
-inner dimension N):
+Backs ``fused_mlp``'s link (docs/decisions.md, mlp-link): in an MLP, layer l's input
+gradient ``dh = dz_l @ W_l.T`` is the output cotangent of layer l-1, whose backward then
+forms ``dz_{l-1} = dh * act'(z_{l-1})`` and ``db_{l-1} = dz_{l-1}.sum(0)``. cuBLASLt can do
+all three in the dh GEMM's epilog, reading layer l-1's forward aux. This times, per shape
+(bf16, M rows, dh of width P from an inner dimension N):
 
 - ``xla_relu``, ``xla_gelu``: ``jax.jit`` of the three steps written in jnp (XLA's GEMM, then its fusion);
 - ``xla_relu_nosum``, ``xla_gelu_nosum``: the same without ``db`` (to set against DRELU, DGELU);
@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.forward import time_jax_interleaved, write_results
+from benchmarks.common import time_jax_interleaved, write_results
 
 SHAPES = [  # (M, P, N): dh (M, P) = dz (M, N) @ W.T with W (P, N)
     (8192, 4096, 1024),  # transformer MLP 1024 -> 4096 -> 1024: into the hidden layer

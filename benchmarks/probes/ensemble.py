@@ -1,13 +1,13 @@
 """Probe: an ensemble's layer (``jax.vmap`` over stacked weights) against XLA's.
 
-    python -m benchmarks.probes.ensemble [--out DIR] [--members E] [--shape M K N ...]
+    python -m benchmarks.probes.ensemble [--out DIR] [--members E] [--shape M K N ...] [--policy FIELD=VALUE ...]
 
-Batched weights bind ``members_p``: on a GPU the forward is one strided-batched cuBLASLt
-GEMM with the epilog (before 2026-12-05 (ad), E fused calls in a loop), and the
-"cublaslt" backward's kernel and bias gradients are XLA's batched GEMM and reduction
-(before (ad), a loop of BGRADA calls). XLA's ``vmap`` of the plain expression is one
-batched GEMM and its epilog. Three programs, each jitted, for XLA's expression and
-``fused_dense`` with ``"auto"`` and with ``"cublaslt"``:
+Backs the ensembles rule (docs/decisions.md, ensembles): batched weights bind the members'
+primitive, whose forward on a GPU is one strided-batched cuBLASLt GEMM with the epilog;
+with "cublaslt" an ensemble's kernel and bias gradients are XLA's batched GEMM and
+reduction. XLA's ``vmap`` of the plain expression is one batched GEMM and its epilog.
+Three programs, each jitted, for XLA's expression and ``fused_dense`` with ``"auto"`` and
+with ``"cublaslt"``:
 
 - forward: ``jax.vmap(layer)`` over E members, each with its own x;
 - gradient: ``jax.grad`` of ``sum(jax.vmap(layer)(x, w, b))`` (in float32) in x, w and b;
@@ -15,7 +15,7 @@ batched GEMM and its epilog. Three programs, each jitted, for XLA's expression a
   over E examples of M rows each (as for per-example clipping).
 
 bf16, each member's inputs as benchmarks.training's, medians of interleaved samples of
-back-to-back calls as benchmarks.forward. Results: DIR/ensemble.{json,md}.
+back-to-back calls. Results: DIR/ensemble.{json,md}.
 """
 
 from __future__ import annotations
@@ -27,8 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.forward import main_over_shapes, single_layers, time_jax_interleaved, xla_ratio_table
-from benchmarks.training import layer_inputs
+from benchmarks.common import layer_inputs, main_over_shapes, ratio_table, single_layers, time_jax_interleaved
 from jax_epilog import fused_dense
 
 SHAPES = [(256, 1024, 1024), (8192, 1024, 4096)]
@@ -45,7 +44,11 @@ def members_inputs(members: int, m: int, k: int, n: int, rng: np.random.Generato
 def programs(activation: str) -> dict[str, dict]:
     """{"forward" | "gradient": {contender: jitted program over stacked members}}."""
     layers = single_layers(activation)
-    layers = {"xla": layers["xla"], "auto": partial(fused_dense, activation=activation), "cublaslt": layers["fused"]}
+    layers = {
+        "xla": layers["xla"],
+        "auto": partial(fused_dense, activation=activation),
+        "cublaslt": layers["fused"],
+    }
     summed = lambda f: lambda x, w, b: jnp.sum(jax.vmap(f)(x, w, b), dtype=jnp.float32)
 
     def per_example(f):  # each member's x an example of one shared layer (the first member's)
@@ -79,7 +82,10 @@ def bench(shapes, members: int = MEMBERS) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    return xla_ratio_table(rows, {"members × M×K→N (bf16)": "shape", "act": "activation", "pass": "pass_"}, CONTENDERS)
+    columns = {
+        "members × M×K→N (bf16)": lambda r: r["shape"], "act": lambda r: r["activation"], "pass": lambda r: r["pass_"],
+    }  # fmt: skip
+    return ratio_table(rows, CONTENDERS, columns)
 
 
 def main(argv: list[str] | None = None) -> None:

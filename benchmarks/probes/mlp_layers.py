@@ -1,14 +1,12 @@
-"""Probe: in an MLP block's fwd+bwd, which layer's cuBLASLt backward gains over XLA?
+"""Probe: an MLP block's fwd+bwd (or forward) with cuBLASLt in both layers, one, or neither.
 
     python -m benchmarks.probes.mlp_layers [--out DIR] [--shape M D ...] [--activation relu gelu]
                                            [--forward] [--dtype bfloat16 float16 float32] [--tf32]
+                                           [--policy FIELD=VALUE ...]
 
-benchmarks.training's MLP rows (2026-12-04 (v)) read ``fused_mlp(implementation="cublaslt")``
-ahead of XLA on ReLU blocks (1.01-1.16x) where "auto", XLA's autodiff, reads 1.00x. With
-ReLU first, ``fused_mlp`` is the stack of two ``fused_dense`` calls: a ReLU layer (mask in
-the forward; dz from it, XLA's GEMMs) and a layer without activation (BGRADA). This probe
-times the block ``act(x @ w1 + b1) @ w2 + b2`` (the rows' inputs and loss ``sum(y**2) / 2``,
-``jax.jit(jax.grad)`` in all five arrays, median of interleaved samples of back-to-back
+Backs ``fused_mlp``'s "auto" rules (docs/decisions.md: mlp-link, mlp-stack, mlp-relu).
+Times the block ``act(x @ w1 + b1) @ w2 + b2`` (M×D → 4D → D; loss ``sum(y**2) / 2``,
+``jax.jit(jax.grad)`` in all five arrays, medians of interleaved samples of back-to-back
 calls) as:
 
 - ``xla``: the plain expression;
@@ -44,11 +42,18 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from benchmarks.forward import activation_fn, ratio_table, time_jax_interleaved, write_results
+from benchmarks.common import (
+    activation_fn,
+    add_policy_option,
+    policy,
+    policy_changes,
+    ratio_table,
+    time_jax_interleaved,
+    write_results,
+)
 from benchmarks.training import mlp_inputs
-from jax_epilog import fused_dense, fused_mlp
-from jax_epilog._epilogs import ComputeType
-from jax_epilog._primitive import fused_weight_grad
+from jax_epilog import ComputeType, fused_dense, fused_mlp
+from jax_epilog.primitives import fused_weight_grad
 
 IMPLEMENTATIONS = {  # contender -> (first layer's, second layer's implementation)
     "auto": ("auto", "auto"),
@@ -171,9 +176,11 @@ def main(argv=None):
         "--dtype", nargs="+", choices=("bfloat16", "float16", "float32"), default=["bfloat16"]
     )
     parser.add_argument("--tf32", action="store_true", help="float32 blocks in TF32 (default: full float32)")
+    add_policy_option(parser)
     args = parser.parse_args(argv)
     shapes = [tuple(s) for s in args.shape] if args.shape else SHAPES
-    rows = bench(shapes, args.activation, args.forward, args.dtype, args.tf32)
+    with policy(policy_changes(args.policy)):
+        rows = bench(shapes, args.activation, args.forward, args.dtype, args.tf32)
     table = render(rows)
     if args.out:
         write_results(args.out, "mlp_layers", rows, table)

@@ -1,38 +1,33 @@
-"""Probe: how wide should a padded row be? 16 bytes (today's ``_ROW_BYTES``) or more?
+"""Probe: how wide should a padded row be? 16 bytes or more?
 
-    python -m benchmarks.probes.pad_width [--out DIR] [--widths 16 32 64 128 256] [--case M K N ACT MODE ...]
+    python -m benchmarks.probes.pad_width [--out DIR] [--widths 16 64 128 256] [--case M K N ACT MODE ...]
+                                          [--policy FIELD=VALUE ...]
 
-A fused call on a large problem whose K or N is not a multiple of 8 (bf16) pads them to
-whole ``_primitive._ROW_BYTES`` rows (since 2026-12-05 (ah)). Above "auto"'s fused floor, a
-ReLU layer whose N pads read about 8% slower padded and fused than XLA's expression on the
-same padded rows (2026-12-06 (ak), (al)): 182 against 167 µs at 8192x1024->4097, where the
-aligned 8192x1024->4096 layer takes about 117 µs either way. This times, per case and per
-row width W (bytes), interleaved (the suite's inputs and method, ``benchmarks.run``):
+A large fused call whose K or N is not a multiple of 8 (half precision) pads them to whole
+rows of ``Policy.row_bytes``; a half-precision forward without aux pads an N of
+``wide_min_n`` or more to ``wide_row_bytes`` (docs/decisions.md, wide-rows). This times,
+per case and row width W (bytes), interleaved (the suite's inputs and method):
 
 - ``fused@W``: ``fused_dense(implementation="cublaslt")`` with K and N padded to W bytes
-  (``_ROW_BYTES`` and ``_WIDE_ROW_BYTES``, any N; at any size: ``_PAD_MIN_ROWS = _PAD_MIN_WORK = 0``);
-- ``auto@W``: ``fused_dense``'s default with that width (what "auto" runs: fused or XLA's
-  expression on the padded rows, and its derivatives there);
+  at any size and any N (``row_bytes = wide_row_bytes = W``, no floors);
+- ``auto@W``: ``fused_dense``'s default with that width (fused, or XLA's expression on the
+  padded rows, and its derivatives there);
 - ``xla@W``: ``jax.jit`` of ``act(x @ w + b)`` on the operands padded to W bytes, cut back;
 - ``xla``: the expression as it is;
 
-forward, or forward + backward (``benchmarks.probes.row_padding``'s losses). A call with
-an aux keeps the aux's layout whatever W (``_primitive._padded_rows``): a GELU forward with
-its aux pads N to 8 elements only, so "fused@W" fwd+bwd GELU rows time 16-byte N rows
-(before 2026-12-06 (an) they padded N to W and wrote the aux out of its bounds: void).
+forward, or forward + backward (``row_padding``'s losses). A call with an aux keeps the
+aux's layout whatever W: a GELU forward with its aux pads N to 8 elements only.
 """
 
 from __future__ import annotations
 
 import argparse
 
-import jax
-
-from benchmarks import run
-from benchmarks.forward import write_results
+from benchmarks.cases import Case
+from benchmarks.common import add_policy_option, policy, policy_changes, write_results
+from benchmarks.contenders import Inputs
 from benchmarks.probes import row_padding
-from benchmarks.probes.row_padding import knobs
-from benchmarks.timing import WallClock, measure_interleaved
+from benchmarks.timing import QUICK, WallClock, measure_interleaved
 
 CASES = [  # (M, K, N, activation, mode); bf16 with a bf16 bias
     (8192, 1024, 4096, "relu", "fwd"),  # aligned at every width: the control
@@ -52,22 +47,29 @@ KINDS = ("fused", "auto", "xla")
 _CONTENDERS = {"fused": "padded", "auto": "auto", "xla": "xla_padded", "plain": "xla"}
 
 
-def program(case: run.Case, kind: str):
+def program(case: Case, kind: str):
     """The un-jitted function ``kind`` (fused, auto, xla: padded; plain: as it is) times."""
     return row_padding.program(case, _CONTENDERS[kind])
 
 
-def bench(case: run.Case, widths) -> dict:
-    sets = run.Inputs(case).jax()
+def width_policy(kind: str, width: int) -> dict:
+    """The policy ``kind`` is lowered with at row width ``width`` (bytes)."""
+    floor = {} if kind == "auto" else {"pad_min_rows": 0, "pad_min_work": 0}
+    return {"row_bytes": width, "wide_row_bytes": width, "wide_min_n": 0, **floor}
+
+
+def bench(case: Case, widths) -> dict:
+    sets = Inputs(case).jax()
     compiled = {}
     for width in widths:
         for kind in KINDS:
-            floor = {} if kind == "auto" else {"_PAD_MIN_ROWS": 0, "_PAD_MIN_WORK": 0}
-            with knobs(_ROW_BYTES=width, _WIDE_ROW_BYTES=width, _WIDE_MIN_N=0, **floor):
-                compiled[f"{kind}@{width}"] = jax.jit(program(case, kind)).lower(*sets[0]).compile()
-    compiled["xla"] = jax.jit(program(case, "plain")).lower(*sets[0]).compile()
+            contender = _CONTENDERS[kind]
+            compiled[f"{kind}@{width}"] = row_padding.compiled_program(
+                case, contender, sets, **width_policy(kind, width)
+            )
+    compiled["xla"] = row_padding.compiled_program(case, "xla", sets)
     timings = measure_interleaved(
-        [(lambda i, p=p: p(*sets[i % len(sets)]), WallClock()) for p in compiled.values()], run.QUICK
+        [(lambda i, p=p: p(*sets[i % len(sets)]), WallClock()) for p in compiled.values()], QUICK
     )
     row = {"shape": case.shape, "activation": case.activation, "mode": case.mode}
     return row | {f"{name}_us": t.us for name, t in zip(compiled, timings)}
@@ -93,13 +95,14 @@ def main(argv=None):
         "--case", nargs=5, action="append", metavar=("M", "K", "N", "ACT", "MODE"),
         help="bf16 cases of your own instead of CASES (repeatable)",
     )  # fmt: skip
+    add_policy_option(parser)
     args = parser.parse_args(argv)
     cases = [(int(m), int(k), int(n), a, mode) for m, k, n, a, mode in args.case] if args.case else CASES
     rows = []
-    for m, k, n, act, mode in cases:
-        row = bench(run.Case(m, k, n, "bfloat16", "bfloat16", act, mode), args.widths)
-        print(row, flush=True)
-        rows.append(row)
+    with policy(policy_changes(args.policy)):
+        for m, k, n, act, mode in cases:
+            rows.append(bench(Case(m, k, n, "bfloat16", "bfloat16", act, mode), args.widths))
+            print(rows[-1], flush=True)
     text = table(rows, args.widths)
     print(text)
     if args.out:

@@ -1,73 +1,68 @@
 """Probe: which small problems does cuBLASLt plan but then refuse to launch?
 
-    python -m benchmarks.probes.refusals
+    python -m benchmarks.probes.refusals [--out DIR]
 
-Jits each primitive alone (its arguments passed in, as XLA's buffers) for one-row and
-few-row problems: the forward with a float32 D beside bf16 operands (a float32 bias), the
-kernel-gradient GEMM (BGRADA) and the DGELU input-gradient GEMM. Prints "ok" or the error,
-and the plans lowering made (epilog, pointer alignment, the autotuner's best µs: inf means
-every candidate algorithm failed to launch). Run on the H200 with the primitives routing
-nothing away (before the one-row rules in ``_primitive.py``): one row failed for the float32-D
-forward and for DGELU, nothing else did (``results/2026-12-02-h200-h-mlp/one-row-refusals.txt``).
+Backs the refusals rule (docs/decisions.md, refusals): the library sends these problems to
+XLA before planning, so this probe bypasses that routing and makes each plan itself, with
+the autotuner on (which launches every candidate algorithm once: a problem none of them
+can run raises ``PlanningError``). Problems, bf16 operands, compute type COMPUTE_32F: the
+forward with a float32 D (a float32 bias beside half operands) and the bf16 one, with and
+without GELU's aux, at one row and at a few; the kernel-gradient GEMM with BGRADA
+(``"wgrad"``) with K = 1 and K = 6; the DGELU input-gradient GEMM (``"dgrad"``) at one row,
+N = 1 and a few rows.
+Prints "ran" or the refusal, with the candidates' tuning µs (inf: that candidate failed).
 """
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+import argparse
+import os
 
-from jax_epilog import _nvmath
-from jax_epilog._epilogs import Activation, ComputeType
-from jax_epilog._primitive import fused_gelu_input_grad, fused_matmul, fused_weight_grad
+from jax_epilog._epilogs import EpilogSpec
+from jax_epilog.cuda.plan import Plan, current_device
 
-CT = ComputeType.COMPUTE_32F
-BF16 = jnp.bfloat16
+CT = "COMPUTE_32F"
 
 
-def cases(rng):
-    def arr(shape, dtype):
-        return jnp.asarray(rng.standard_normal(shape), dtype)
-
+def specs():
+    """(name, EpilogSpec) of every problem tried."""
     for m, k, n in [(1, 6, 11), (1, 11, 1), (2, 6, 11), (4, 6, 11)]:
-        for act in (None, Activation.GELU):
-            yield (
-                f"fwd {act and act.value} f32bias m{m}k{k}n{n}",
-                lambda x, w, b, act=act: fused_matmul(
-                    x, w, b, activation=act, with_aux=act is not None, compute_type=CT,
-                    d_dtype="float32", out_dtype=BF16,
-                ),
-                (arr((m, k), BF16), arr((k, n), BF16), arr((n,), jnp.float32)),
-            )  # fmt: skip
-        for d in ("float32", "bfloat16"):
-            yield (
-                f"wgrad d={d} m{m}k{k}n{n}",
-                lambda x, dz, d=d: fused_weight_grad(x, dz, compute_type=CT, d_dtype=d),
-                (arr((m, k), BF16), arr((m, n), BF16)),
-            )
-    for m, n, k in [(1, 3, 1), (1, 3, 5), (4, 3, 1), (1, 16, 24), (2, 16, 24), (8, 16, 24)]:
-        for aux_dtype in (BF16, jnp.float32):
-            yield (
-                f"dgelu aux={jnp.dtype(aux_dtype).name} m{m}n{n}k{k}",
-                lambda dz, w, aux: fused_gelu_input_grad(dz, w, aux, compute_type=CT),
-                (arr((m, n), BF16), arr((k, n), BF16), arr((m, -(-k // 8) * 8), aux_dtype)),
-            )
+        for epilog in ("BIAS", "GELU_AUX_BIAS"):
+            for d in ("float32", "bfloat16"):
+                yield (
+                    f"forward {epilog} d={d} m{m}k{k}n{n}",
+                    EpilogSpec(m, n, k, epilog, CT, "bfloat16", d, d),
+                )
+    for m, k, n in [(4, 1, 11), (1, 1, 11), (4, 6, 11), (1, 6, 11)]:  # K = 1: one output row of D
+        spec = EpilogSpec(m, n, k, "BGRADA", CT, "bfloat16", "bfloat16", "bfloat16", "wgrad")
+        yield f"wgrad BGRADA m{m}k{k}n{n}", spec
+    for m, n, k in [(1, 3, 5), (4, 1, 8), (1, 16, 24), (2, 16, 24), (8, 16, 24)]:
+        for aux in ("bfloat16", "float32"):
+            spec = EpilogSpec(m, n, k, "DGELU", CT, "bfloat16", None, aux, "dgrad")
+            yield f"dgrad DGELU aux={aux} m{m}n{n}k{k}", spec
 
 
-def main():
-    for name, f, args in cases(np.random.default_rng(0)):
-        before = set(_nvmath._plans)
-        try:
-            jax.block_until_ready(jax.jit(f)(*args))
-            result = "ok"
-        except Exception as exc:  # noqa: BLE001 -- a probe reports what cuBLASLt refused
-            result = "FAIL " + str(exc).split("\n")[0][40:110]
-        plans = [
-            (key[0].epilog, key[2], None if plan.tuning is None else round(min(plan.tuning), 1))
-            for key, plan in _nvmath._plans.items()
-            if key not in before
-        ]
-        print(f"{name:38s} {result:72s} {plans}", flush=True)
+def attempt(spec: EpilogSpec) -> str:
+    try:
+        plan = Plan(spec, current_device(), 256, autotune=True)
+    except Exception as exc:  # noqa: BLE001 -- a probe reports what cuBLASLt refused
+        return "REFUSED " + str(exc).splitlines()[0][:140]
+    times = ", ".join(f"{t:.1f}" for t in plan.tuning or ())
+    return f"ran (candidate {plan.choice}; tuning µs {times})"
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None, help="folder for refusals.md")
+    args = parser.parse_args(argv)
+    lines = []
+    for name, spec in specs():
+        lines.append(f"{name:52s} {attempt(spec)}")
+        print(lines[-1], flush=True)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "refusals.md"), "w") as fh:
+            fh.write("```\n" + "\n".join(lines) + "\n```\n")
 
 
 if __name__ == "__main__":

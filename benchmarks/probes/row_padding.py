@@ -1,43 +1,41 @@
-"""Probe: does padding K and N to whole 16-byte rows make the fused kernels fast again?
+"""Probe: what padding K and N to whole 16-byte rows gains, and where.
 
     python -m benchmarks.probes.row_padding [--out DIR] [--modes fwd fwd+bwd mlp] [--case M K N ACT ...]
+                                            [--policy FIELD=VALUE ...]
 
-cuBLASLt's kernels for matrices whose rows are not 16 bytes apart (K or N not a multiple of
-8 in bf16) measured 0.08-0.87x XLA at 8192 rows (2026-12-05 (ag)). Since (ah) a fused call
-on a large enough problem pads its row widths with zeros and slices its results back
-(``_primitive._ROW_BYTES``, ``_PAD_MIN_ROWS``, ``_PAD_MIN_WORK``). This times, per case
-(the suite's inputs and method: ``benchmarks.run``, interleaved):
+cuBLASLt picks far slower kernels when a matrix's rows are not 16 bytes apart (K or N not a
+multiple of 8 in half precision), so a large fused call pads them with zeros and cuts its
+results back (``Policy.row_bytes``, ``pad_min_rows``, ``pad_min_work``: docs/decisions.md,
+row-padding). This times, per case (the suite's inputs and method, interleaved):
 
 - ``padded``: ``fused_dense(implementation="cublaslt")``, padded at any size;
-- ``unpadded``: the same, never padded (``_ROW_BYTES = 1``), as before (ah);
-- ``auto``: ``fused_dense``'s default, as it lowers now;
+- ``unpadded``: the same, never padded (``row_bytes=1``);
+- ``auto``: ``fused_dense``'s default;
 - ``xla``: ``jax.jit`` of ``act(x @ w + b)``;
 - ``xla_padded``: the same expression on the operands a fused call pads (where it pads:
-  ``_primitive.padded_layer``), its result cut back to N columns;
+  ``jax_epilog._padding.padded_layer``), its result cut back to N columns;
 
 forward and forward + backward (the gradient of a sum; of a sum of squares without an
 activation, whose summed gradient XLA folds into reductions), and for ``mlp`` rows the
-gradient of ``fused_mlp``'s two layers K -> N -> K with a GELU link (its DGELU input
-gradient reads an unaligned aux; ``xla_padded``: both layers' expressions on padded rows;
-the loss a sum of squares since 2026-12-06 (ak), as the last layer has no activation:
-of a sum, XLA had folded that layer's GEMMs away, in every contender but the fused ones).
-Also prints the padded and unpadded forwards' largest difference, relative to the largest
-output.
+gradient of ``fused_mlp``'s two layers K -> N -> K with a GELU link and a sum-of-squares
+loss (the second layer has no activation: of a sum, XLA would fold its GEMMs away). Also
+prints the padded and unpadded forwards' largest difference, relative to the largest output.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 
 import jax
 import jax.numpy as jnp
 
-from benchmarks import forward, run
-from benchmarks.forward import write_results
-from benchmarks.timing import WallClock, measure_interleaved
-from jax_epilog import _primitive, fused_mlp
+from benchmarks.cases import Case
+from benchmarks.common import activation_fn, add_policy_option, policy, policy_changes, write_results
+from benchmarks.contenders import Inputs, jax_program
+from benchmarks.timing import QUICK, WallClock, measure_interleaved
+from jax_epilog import fused_mlp, override_policy
+from jax_epilog._padding import on_padded_rows
 
 CASES = [  # (M, K, N, dtype, bias dtype, activation, modes)
     (8192, 1024, 4097, "bfloat16", "bfloat16", "relu", ("fwd", "fwd+bwd")),
@@ -54,7 +52,7 @@ CASES = [  # (M, K, N, dtype, bias dtype, activation, modes)
     (1024, 1024, 1025, "bfloat16", "bfloat16", "gelu", ("fwd",)),  # about 2**30
     (1000, 1000, 1003, "bfloat16", "bfloat16", "relu", ("fwd",)),
     (1000, 1000, 1003, "bfloat16", "bfloat16", "gelu", ("fwd",)),
-    (256, 784, 100, "float16", "float32", "relu", ("fwd", "fwd+bwd")),  # the seed layer
+    (256, 784, 100, "float16", "float32", "relu", ("fwd", "fwd+bwd")),  # the quickstart layer
     (8192, 1024, 4097, "bfloat16", "bfloat16", "none", ("fwd", "fwd+bwd")),  # (loss: a sum of squares)
     (8192, 4097, 1024, "bfloat16", "bfloat16", "none", ("fwd", "fwd+bwd")),
     (2048, 1024, 4097, "bfloat16", "bfloat16", "none", ("fwd", "fwd+bwd")),
@@ -62,45 +60,38 @@ CASES = [  # (M, K, N, dtype, bias dtype, activation, modes)
 CONTENDERS = ("padded", "unpadded", "auto", "xla", "xla_padded")
 
 
-# What each contender changes in jax_epilog._primitive while its program lowers.
-KNOBS = {"padded": {"_PAD_MIN_ROWS": 0, "_PAD_MIN_WORK": 0}, "unpadded": {"_ROW_BYTES": 1}}
+# The policy each contender's program is traced and lowered with.
+POLICY = {"padded": {"pad_min_rows": 0, "pad_min_work": 0}, "unpadded": {"row_bytes": 1}}
 
 
-@contextlib.contextmanager
-def knobs(**values):
-    saved = {name: getattr(_primitive, name) for name in values}
-    for name, value in values.items():
-        setattr(_primitive, name, value)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(_primitive, name, value)
-
-
-def loss(case: run.Case, y):
+def loss(case: Case, y):
     y = y.astype(jnp.float32)
     return jnp.sum(y * y) if case.activation == "none" else jnp.sum(y)
 
 
-def program(case: run.Case, contender: str):
+def program(case: Case, contender: str):
     """The un-jitted function ``contender`` times on ``case``."""
     if case.mode != "mlp":
-        names = {"padded": "jax_epilog", "unpadded": "jax_epilog", "auto": "jax_epilog_auto", "xla_padded": "xla"}
-        fwd = run.jax_program(case._replace(mode="fwd"), names.get(contender, contender))
+        names = {
+            "padded": "jax_epilog",
+            "unpadded": "jax_epilog",
+            "auto": "jax_epilog_auto",
+            "xla_padded": "xla",
+        }
+        fwd = jax_program(case._replace(mode="fwd"), names.get(contender, contender))
         if contender == "xla_padded":
-            fwd = functools.partial(_primitive.on_padded_rows, fwd)
+            fwd = functools.partial(on_padded_rows, fwd)
         if case.mode == "fwd":
             return fwd
         return jax.grad(lambda x, w, b: loss(case, fwd(x, w, b)), argnums=(0, 1, 2))
     impl = {"padded": "cublaslt", "unpadded": "cublaslt"}.get(contender, contender)
-    act = forward.activation_fn(case.activation)
+    act = activation_fn(case.activation)
 
     def mlp_loss(x, w, b):  # two layers, K -> N -> K, the second's kernel the first's transposed
         layers = [(w, b), (w.T, None)]
         if contender == "xla_padded":
-            h = _primitive.on_padded_rows(lambda x, w, b: act(x @ w + b), x, w, b)
-            y = _primitive.on_padded_rows(lambda x, w, b: x @ w, h, w.T, None)
+            h = on_padded_rows(lambda x, w, b: act(x @ w + b), x, w, b)
+            y = on_padded_rows(lambda x, w, b: x @ w, h, w.T, None)
         else:
             activation = None if case.activation == "none" else case.activation
             y = fused_mlp(x, layers, [activation, None], implementation=impl)
@@ -109,15 +100,18 @@ def program(case: run.Case, contender: str):
     return jax.grad(mlp_loss, argnums=(0, 1, 2))
 
 
-def bench(case: run.Case) -> dict:
-    inputs = run.Inputs(case)
-    sets = inputs.jax()
-    compiled = {}
-    for contender in CONTENDERS:
-        with knobs(**KNOBS.get(contender, {})):
-            compiled[contender] = jax.jit(program(case, contender)).lower(*sets[0]).compile()
+def compiled_program(case: Case, contender: str, sets, **changes):
+    """``program(case, contender)`` jitted, lowered and compiled with the policy changed
+    (the padding is decided while tracing and lowering)."""
+    with override_policy(**changes):
+        return jax.jit(program(case, contender)).lower(*sets[0]).compile()
+
+
+def bench(case: Case) -> dict:
+    sets = Inputs(case).jax()
+    compiled = {c: compiled_program(case, c, sets, **POLICY.get(c, {})) for c in CONTENDERS}
     timings = measure_interleaved(
-        [(lambda i, p=p: p(*sets[i % len(sets)]), WallClock()) for p in compiled.values()], run.QUICK
+        [(lambda i, p=p: p(*sets[i % len(sets)]), WallClock()) for p in compiled.values()], QUICK
     )
     row = {"shape": case.shape, "dtype": case.dtype, "activation": case.activation, "mode": case.mode}
     row |= {f"{c}_us": t.us for c, t in zip(CONTENDERS, timings)}
@@ -130,17 +124,32 @@ def bench(case: run.Case) -> dict:
 def table(rows: list[dict]) -> str:
     names = ("padded", "unpadded", "auto", "XLA", "XLA padded")
     lines = [
-        "| M×K→N | dtype | act | mode | " + " | ".join(f"{n} µs" for n in names)
+        "| M×K→N | dtype | act | mode | "
+        + " | ".join(f"{n} µs" for n in names)
         + " | XLA/padded | XLA/auto | XLA/XLA padded | unpadded/padded |",
         "|---|---|---|---|" + "---|" * (len(names) + 4),
     ]
     for r in rows:
         t = dict(zip(CONTENDERS, (r[f"{c}_us"] for c in CONTENDERS)))
-        ratios = (t["xla"] / t["padded"], t["xla"] / t["auto"], t["xla"] / t["xla_padded"], t["unpadded"] / t["padded"])
+        ratios = (
+            t["xla"] / t["padded"],
+            t["xla"] / t["auto"],
+            t["xla"] / t["xla_padded"],
+            t["unpadded"] / t["padded"],
+        )
         cells = [r["shape"], r["dtype"], r["activation"], r["mode"], *(f"{v:.1f}" for v in t.values())]
         lines.append("| " + " | ".join(cells + [f"{v:.2f}×" for v in ratios]) + " |")
-    diffs = [f"{r['shape']} {r['activation']}: {r['padded_vs_unpadded']:.1e}" for r in rows if "padded_vs_unpadded" in r]
-    return "\n".join(lines) + "\n\nPadded against unpadded forward (max |diff| / max |y|): " + "; ".join(diffs) + "\n"
+    diffs = [
+        f"{r['shape']} {r['activation']}: {r['padded_vs_unpadded']:.1e}"
+        for r in rows
+        if "padded_vs_unpadded" in r
+    ]
+    return (
+        "\n".join(lines)
+        + "\n\nPadded against unpadded forward (max |diff| / max |y|): "
+        + "; ".join(diffs)
+        + "\n"
+    )
 
 
 def main(argv=None):
@@ -151,19 +160,20 @@ def main(argv=None):
         "--case", nargs=4, action="append", metavar=("M", "K", "N", "ACT"),
         help="bf16 cases of your own instead of CASES (repeatable), in --modes (default fwd)",
     )  # fmt: skip
+    add_policy_option(parser)
     args = parser.parse_args(argv)
     cases = CASES
     if args.case:
         modes = tuple(args.modes or ("fwd",))
         cases = [(int(m), int(k), int(n), "bfloat16", "bfloat16", act, modes) for m, k, n, act in args.case]
     rows = []
-    for m, k, n, dtype, bias_dtype, act, modes in cases:
-        for mode in modes:
-            if args.modes and mode not in args.modes:
-                continue
-            row = bench(run.Case(m, k, n, dtype, bias_dtype, act, mode))
-            print(row, flush=True)
-            rows.append(row)
+    with policy(policy_changes(args.policy)):
+        for m, k, n, dtype, bias_dtype, act, modes in cases:
+            for mode in modes:
+                if args.modes and mode not in args.modes:
+                    continue
+                rows.append(bench(Case(m, k, n, dtype, bias_dtype, act, mode)))
+                print(rows[-1], flush=True)
     text = table(rows)
     print(text)
     if args.out:

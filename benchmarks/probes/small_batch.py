@@ -1,15 +1,14 @@
-"""Probe: where does the fused forward win at inference batch sizes (few rows)?
+"""Probe: does the fused forward win at inference batch sizes (few rows)?
 
-    python -m benchmarks.probes.small_batch [--out DIR]
+    python -m benchmarks.probes.small_batch [--out DIR] [--policy FIELD=VALUE ...]
 
-The suite's one small-batch case (64x4096->16384) measured the fused forward 1.10-1.15x
-XLA's jit in three runs while 1000x1000->1003 lost 0.72-0.83x: a single jitted call of a
-few rows is bound by host time unless the layer's weights are large, and there XLA's
-GEMM and cuBLASLt's differ. This times, for M in 16..256 rows and a spread of weight
-sizes (bf16, ReLU and GELU), ``fused_dense(implementation="cublaslt")``, the current
-``"auto"`` and ``jax.jit(act(x @ w + b))``, interleaved, with the suite's method
-(``benchmarks.run``); inputs rotate over enough copies (at least ~256 MB in all) that no
-call finds its weights in the H200's 50 MB L2, as in a model whose layers take turns.
+Backs "auto"'s size floor (``Policy.auto_min_rows``, ``auto_min_work``: docs/decisions.md,
+auto-forward). A single jitted call of a few rows is bound by host time unless the layer's
+weights are large. This times, for M in 16..256 rows and five weight sizes (bf16, ReLU and
+GELU), ``fused_dense(implementation="cublaslt")``, ``"auto"`` and ``jax.jit(act(x @ w +
+b))``, interleaved, with the suite's method (``benchmarks.run``); inputs rotate over enough
+copies (at least ~256 MB in all) that no call finds its weights in L2, as in a model whose
+layers take turns.
 """
 
 from __future__ import annotations
@@ -18,7 +17,10 @@ import argparse
 import math
 
 from benchmarks import run
-from benchmarks.forward import write_results
+from benchmarks.cases import Case, operand_bytes
+from benchmarks.common import add_policy_option, policy, policy_changes, write_results
+from benchmarks.contenders import Inputs
+from benchmarks.timing import QUICK
 
 ROWS = (16, 64, 128, 256)
 WEIGHTS = ((1024, 4096), (4096, 1024), (4096, 4096), (4096, 16384), (16384, 4096))  # (K, N)
@@ -30,25 +32,28 @@ def cases():
     for k, n in WEIGHTS:
         for m in ROWS:
             for act in ("relu", "gelu"):
-                yield run.Case(m, k, n, "bfloat16", "bfloat16", act, "fwd")
+                yield Case(m, k, n, "bfloat16", "bfloat16", act, "fwd")
+
+
+def bench(case: Case) -> dict:
+    copies = min(32, max(3, math.ceil(ROTATE_BYTES / operand_bytes(case))))
+    results = run.run_group(case, CONTENDERS, Inputs(case, copies=copies), QUICK)
+    row = {"shape": case.shape, "activation": case.activation, "copies": copies}
+    for r in results:
+        row[r["contender"]] = r["us"]
+        if r["skipped"]:
+            row[r["contender"] + "_skipped"] = r["skipped"]
+    print(row, flush=True)
+    return row
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None)
+    add_policy_option(parser)
     args = parser.parse_args(argv)
-    rows = []
-    for case in cases():
-        inputs = run.Inputs(case)
-        inputs.copies = min(32, max(3, math.ceil(ROTATE_BYTES / run.operand_bytes(case))))
-        results = run.run_group(case, CONTENDERS, inputs, run.QUICK)
-        row = {"shape": case.shape, "activation": case.activation, "copies": inputs.copies}
-        for r in results:
-            row[r["contender"]] = r["us"]
-            if r["skipped"]:
-                row[r["contender"] + "_skipped"] = r["skipped"]
-        rows.append(row)
-        print(row, flush=True)
+    with policy(policy_changes(args.policy)):
+        rows = [bench(case) for case in cases()]
     lines = [
         "| M×K→N (bf16) | act | fused µs | auto µs | XLA µs | XLA/fused | XLA/auto |",
         "|---|---|---|---|---|---|---|",

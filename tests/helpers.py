@@ -18,7 +18,10 @@ from tolerances import epilog_slack, tolerance
 import jax_epilog
 from jax_epilog.cuda.ffi import TARGET_NAME
 
-ACTIVATIONS = [None, "relu", "gelu"]
+# Each activation's twin: what a plain JAX layer applies after its matmul. A new activation
+# of the epilog table needs its twin here; the parametrized tests then cover it.
+TWINS = {"relu": jax.nn.relu, "gelu": functools.partial(jax.nn.gelu, approximate=True)}
+ACTIVATIONS = [None, *(a.value for a in jax_epilog.Activation)]
 # An ensemble: vmap over stacked weights. Which of (x, kernel, bias) are per member (0) or
 # shared (None) (tests/primitives/test_members.py).
 ENSEMBLES = {"all per member": (0, 0, 0), "x shared": (None, 0, 0), "kernel shared": (0, None, 0), "bias shared": (0, 0, None)}  # fmt: skip
@@ -39,11 +42,7 @@ GRAD_TOL = {"float64": 1e-12, "float32": 5e-3 if ON_GPU else 2e-5, "float16": 8e
 
 def act_fn(name):
     """The activation a fused layer applies, as the twin applies it after the matmul."""
-    if name is None:
-        return lambda z: z
-    if name == "relu":
-        return jax.nn.relu
-    return functools.partial(jax.nn.gelu, approximate=True)
+    return (lambda z: z) if name is None else TWINS[name]
 
 
 def masked_relu(z, mask):

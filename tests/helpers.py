@@ -226,3 +226,15 @@ def custom_calls(text: str) -> list[str]:
 def problems(text: str) -> list[str]:
     """The problem ("forward", "wgrad", "dgrad") of each custom call in ``text``."""
     return [re.search(r'problem = "(\w+)"', call)[1] for call in custom_calls(text)]
+
+
+def layer_inputs(rng, m, k, n, dtype):
+    """x (m, k), kernel (k, n) ~ N(0, 1/k) and bias (n,) of ``dtype``, drawn from ``rng``."""
+    x = rng.standard_normal((m, k))
+    w = rng.standard_normal((k, n)) / np.sqrt(k)
+    return jnp.asarray(x, dtype), jnp.asarray(w, dtype), jnp.asarray(rng.standard_normal(n), dtype)
+
+
+def ones_layer(dtype, bias_dtype=None, m=33, k=129, n=65):
+    """A layer's (x, kernel, bias) of ones: for what tracing and lowering produce, not values."""
+    return jnp.ones((m, k), dtype), jnp.ones((k, n), dtype), jnp.ones((n,), bias_dtype or dtype)

@@ -6,10 +6,8 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
-from helpers import GPU_TOL, assert_scaled_close, oracle
+from helpers import GPU_TOL, assert_scaled_close, layer_inputs, oracle
 
 import jax_epilog
 from jax_epilog import override_policy
@@ -18,12 +16,6 @@ from jax_epilog.cuda import ffi
 
 pytestmark = pytest.mark.gpu
 fused_dense = functools.partial(jax_epilog.fused_dense, implementation="cublaslt")
-
-
-def _inputs(rng, m, k, n, dtype):
-    x = rng.standard_normal((m, k))
-    w = rng.standard_normal((k, n)) / np.sqrt(k)
-    return jnp.asarray(x, dtype), jnp.asarray(w, dtype), jnp.asarray(rng.standard_normal(n), dtype)
 
 
 def test_nvmath_internals_are_where_the_fast_path_expects():
@@ -54,7 +46,7 @@ def test_a_plan_made_without_tuning_runs_the_tuned_choice(rng, monkeypatch):
     monkeypatch.setattr(plan, "_plans", {})
     monkeypatch.setattr(plan, "_tuned", {})
     monkeypatch.setattr(ffi._handler, "_plans", {})
-    x, w, b = _inputs(rng, 776, 264, 392, "bfloat16")
+    x, w, b = layer_inputs(rng, 776, 264, 392, "bfloat16")
     f = lambda x, w, b: fused_dense(x, w, b, activation="gelu")
     jax.jit(f).lower(x, w, b)  # lowering plans and tunes; nothing runs
     ((key, tuned),) = plan._plans.items()
@@ -78,7 +70,7 @@ def test_a_plan_made_without_tuning_runs_the_tuned_choice(rng, monkeypatch):
 def test_no_device_memory_leak_over_1000_jitted_calls(rng):
     import cupy as cp
 
-    x, w, b = _inputs(rng, 512, 256, 384, "bfloat16")
+    x, w, b = layer_inputs(rng, 512, 256, 384, "bfloat16")
     f = jax.jit(lambda x, w, b: fused_dense(x, w, b, activation="relu", return_aux=True))
     jax.block_until_ready(f(x, w, b))
     device = jax.devices("gpu")[0]
@@ -97,7 +89,7 @@ def test_no_device_memory_leak_over_1000_jitted_calls(rng):
 def test_every_plan_made_is_listed(rng):
     from jax_epilog.cuda import plan
 
-    x, w, b = _inputs(rng, 72, 40, 56, "float16")
+    x, w, b = layer_inputs(rng, 72, 40, 56, "float16")
     jax.jit(lambda x, w, b: fused_dense(x, w, b, activation="relu")).lower(x, w, b)
     listed = [
         p for p in plan.plans() if (p.spec.m, p.spec.n, p.spec.k, p.spec.ab_dtype) == (72, 56, 40, "float16")

@@ -10,19 +10,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import GPU_TOL, assert_scaled_close, oracle
+from helpers import GPU_TOL, assert_scaled_close, layer_inputs, oracle
 
 import jax_epilog
 from jax_epilog import override_policy
 
 pytestmark = pytest.mark.gpu
 fused_dense = functools.partial(jax_epilog.fused_dense, implementation="cublaslt")
-
-
-def _inputs(rng, m, k, n, dtype):
-    x = rng.standard_normal((m, k))
-    w = rng.standard_normal((k, n)) / np.sqrt(k)
-    return jnp.asarray(x, dtype), jnp.asarray(w, dtype), jnp.asarray(rng.standard_normal(n), dtype)
 
 
 def _graphs(shape=None):
@@ -35,7 +29,7 @@ def _graphs(shape=None):
 def test_replayed_calls_read_their_inputs_and_write_their_outputs(rng):
     """Calls on buffers seen before launch a captured graph: it must still read this call's
     contents (x changes every step, at recurring addresses) and write this call's output."""
-    x, w, b = _inputs(rng, 96, 200, 200, "bfloat16")
+    x, w, b = layer_inputs(rng, 96, 200, 200, "bfloat16")
     step = jax.jit(lambda x, w, b: fused_dense(x, w, b, activation="gelu"), donate_argnums=0)
     before = _graphs()[0]
     y = jnp.array(x, copy=True)
@@ -47,7 +41,7 @@ def test_replayed_calls_read_their_inputs_and_write_their_outputs(rng):
 
 
 def test_replay_off_captures_no_graph(rng):
-    x, w, b = _inputs(rng, 104, 200, 200, "bfloat16")  # (y feeds the next step: K = N)
+    x, w, b = layer_inputs(rng, 104, 200, 200, "bfloat16")  # (y feeds the next step: K = N)
     with override_policy(replay=False):  # (read when the plan is made, at lowering)
         step = jax.jit(lambda x, w, b: fused_dense(x, w, b, activation="gelu"), donate_argnums=0)
         y = jnp.array(x, copy=True)

@@ -7,22 +7,15 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import GPU_TOL, assert_scaled_close, oracle
+from helpers import GPU_TOL, assert_scaled_close, layer_inputs, oracle
 
 import jax_epilog
 from jax_epilog import override_policy
 
 pytestmark = pytest.mark.gpu
 fused_dense = functools.partial(jax_epilog.fused_dense, implementation="cublaslt")
-
-
-def _inputs(rng, m, k, n, dtype):
-    x = rng.standard_normal((m, k))
-    w = rng.standard_normal((k, n)) / np.sqrt(k)
-    return jnp.asarray(x, dtype), jnp.asarray(w, dtype), jnp.asarray(rng.standard_normal(n), dtype)
 
 
 def _plans_of(m, n, k):
@@ -32,7 +25,7 @@ def _plans_of(m, n, k):
 
 
 def test_plans_made_at_lowering_are_autotuned(rng):
-    x, w, b = _inputs(rng, 520, 264, 392, "bfloat16")
+    x, w, b = layer_inputs(rng, 520, 264, 392, "bfloat16")
     y = jax.jit(lambda x, w, b: fused_dense(x, w, b, activation="gelu"))(x, w, b)
     tuned = _plans_of(520, 392, 264)
     assert tuned and all(p.tuning for p in tuned)
@@ -41,12 +34,12 @@ def test_plans_made_at_lowering_are_autotuned(rng):
 
 
 def test_the_policy_bounds_the_candidates_timed_and_turns_tuning_off(rng):
-    x, w, b = _inputs(rng, 392, 200, 136, "bfloat16")
+    x, w, b = layer_inputs(rng, 392, 200, 136, "bfloat16")
     with override_policy(tuning_candidates=2):
         jax.jit(lambda x, w, b: fused_dense(x, w, b, activation="relu")).lower(x, w, b)
     (few,) = _plans_of(392, 136, 200)
     assert 1 <= len(few.tuning) <= 2
-    x, w, b = _inputs(rng, 392, 200, 144, "bfloat16")
+    x, w, b = layer_inputs(rng, 392, 200, 144, "bfloat16")
     with override_policy(autotune=False):
         y = jax.jit(lambda x, w, b: fused_dense(x, w, b, activation="relu"))(x, w, b)
     untuned = _plans_of(392, 144, 200)

@@ -23,6 +23,7 @@ from helpers import (
     custom_calls,
     jaxpr_text,
     masked_relu,
+    ones_layer,
     oracle,
     problems,
     reference_relu_mask,
@@ -34,10 +35,6 @@ from jax_epilog._reference import dense as reference_dense
 from jax_epilog.cuda import ffi
 
 op = functools.partial(fused_dense, implementation="cublaslt")
-
-
-def _args(dtype, bias_dtype=None, m=33, k=129, n=65):
-    return jnp.ones((m, k), dtype), jnp.ones((k, n), dtype), jnp.ones((n,), bias_dtype or dtype)
 
 
 def _fast_path_warnings(caught):
@@ -90,7 +87,7 @@ def test_derivatives_of_a_bfloat16_gradient_run_no_float32_gemm(cublaslt_accepts
     GEMMs read bfloat16, as in XLA's own second derivatives (with float32 products in the
     tangents, their transposes were float32 GEMMs: 5x slower than XLA's program at
     8192x1024->4096 on the H200)."""
-    x, w, b = _args(jnp.bfloat16)
+    x, w, b = ones_layer(jnp.bfloat16)
 
     def penalty_grad(layer):
         loss = lambda x, w, b: jnp.sum(jnp.square(layer(x, w, b).astype(jnp.float32)))
@@ -112,7 +109,7 @@ def test_derivatives_of_a_float32_gradient_keep_the_layers_precision(
     """A float32 layer's second derivatives run their GEMMs at its precision: TF32 where
     its compute type lets cuBLASLt round the operands (as the "xla" implementation's
     DEFAULT precision does), full float32 otherwise (as the plain expression's)."""
-    x, w, b = _args(jnp.float32)
+    x, w, b = ones_layer(jnp.float32)
     layer = functools.partial(op, activation="gelu", compute_type=compute_type)
     loss = lambda x, w, b: jnp.sum(jnp.square(layer(x, w, b)))
     penalty = lambda x, w, b: jnp.sum(jnp.square(jax.grad(loss, argnums=1)(x, w, b)))
@@ -129,7 +126,7 @@ def test_a_refusal_lowers_to_xla_with_one_warning(monkeypatch, fresh_warnings):
     """A problem cuBLASLt refuses at planning lowers to XLA's math, with one
     FastPathWarning for the reason (not one per call or per program)."""
     monkeypatch.setattr(ffi, "prepare", lambda spec: "cuBLASLt refused (test)")
-    x, w, b = _args(jnp.bfloat16)
+    x, w, b = ones_layer(jnp.bfloat16)
     grad = jax.grad(
         lambda x, w, b: op(x, w, b, activation="gelu").astype(jnp.float32).sum(), argnums=(0, 1, 2)
     )
@@ -147,17 +144,19 @@ def test_problems_xla_computes_lower_to_its_math_without_a_warning(cublaslt_acce
     (cuBLASLt plans that, then refuses every launch) are documented XLA cases: no custom
     call, no warning."""
     cases = [
-        (functools.partial(op, activation="gelu", return_aux=True), _args(jnp.float64)),
-        (functools.partial(op, activation="relu"), _args(jnp.bfloat16, m=0)),
-        (functools.partial(op, activation="relu"), _args(jnp.bfloat16, n=0)),
-        (functools.partial(op, activation="gelu"), _args(jnp.float16, jnp.float32, m=1)),
+        (functools.partial(op, activation="gelu", return_aux=True), ones_layer(jnp.float64)),
+        (functools.partial(op, activation="relu"), ones_layer(jnp.bfloat16, m=0)),
+        (functools.partial(op, activation="relu"), ones_layer(jnp.bfloat16, n=0)),
+        (functools.partial(op, activation="gelu"), ones_layer(jnp.float16, jnp.float32, m=1)),
     ]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for f, args in cases:
             assert not custom_calls(cuda_text(f, *args))
     assert not _fast_path_warnings(caught)
-    assert custom_calls(cuda_text(cases[-1][0], *_args(jnp.float16, jnp.float32, m=2)))  # two rows: fused
+    assert custom_calls(
+        cuda_text(cases[-1][0], *ones_layer(jnp.float16, jnp.float32, m=2))
+    )  # two rows: fused
 
 
 @pytest.mark.parametrize("implementation", ["auto", "cublaslt"])
@@ -203,7 +202,7 @@ def test_autos_fused_forward_folds_its_leading_dimensions_in_the_lowering(cublas
     the policy) whole, so that each device folds its own rows: the lowering folds the rows
     around one call of m = 33 rows (per member for an ensemble's batched call) and
     unfolds y after."""
-    x, w, b = _args(jnp.bfloat16)
+    x, w, b = ones_layer(jnp.bfloat16)
     x = jnp.ones((3, 11, x.shape[1]), x.dtype)
     layer = functools.partial(fused_dense, activation="gelu")
     if ensemble:
@@ -221,7 +220,7 @@ def test_the_fused_backward_folds_its_leading_dimensions_in_the_lowering(cublasl
     """ "cublaslt"'s backward and fused_mlp's linked one take x (3, 11, K) with its leading
     dimensions too: the forward, BGRADA and DGELU calls each fold m = 33 rows in their
     lowering, and nothing folds before the ops."""
-    x, w, b = _args(jnp.bfloat16)
+    x, w, b = ones_layer(jnp.bfloat16)
     x = jnp.ones((3, 11, x.shape[1]), x.dtype)
     w2 = jnp.ones((65, 17), x.dtype)
     dense = lambda x, w, b, w2: op(x, w, b, activation="gelu")

@@ -20,6 +20,7 @@ from helpers import (
     device_array,
     jaxpr_text,
     np_dtype,
+    ones_layer,
     oracle,
 )
 
@@ -32,13 +33,9 @@ from jax_epilog.primitives.forward import forward_spec
 op = functools.partial(jax_epilog.fused_dense, implementation="cublaslt")
 
 
-def _args(dtype, bias_dtype=None, m=33, k=129, n=65):
-    return jnp.ones((m, k), dtype), jnp.ones((k, n), dtype), jnp.ones((n,), bias_dtype or dtype)
-
-
 def test_forward_call_carries_the_problem_and_writes_d_and_aux(cublaslt_accepts):
     (call,) = custom_calls(
-        cuda_text(functools.partial(op, activation="relu", return_aux=True), *_args(jnp.bfloat16))
+        cuda_text(functools.partial(op, activation="relu", return_aux=True), *ones_layer(jnp.bfloat16))
     )
     for attr in ('epilog = "RELU_AUX_BIAS"', 'problem = "forward"', "m = 33", "n = 65", "k = 129"):
         assert attr in call
@@ -47,7 +44,7 @@ def test_forward_call_carries_the_problem_and_writes_d_and_aux(cublaslt_accepts)
 
 
 def test_float32_bias_makes_a_float32_d_that_xla_casts(cublaslt_accepts):
-    text = cuda_text(functools.partial(op, activation="gelu"), *_args(jnp.float16, jnp.float32))
+    text = cuda_text(functools.partial(op, activation="gelu"), *ones_layer(jnp.float16, jnp.float32))
     (call,) = custom_calls(text)
     assert call.endswith("-> tensor<33x65xf32>") and 'd_dtype = "float32"' in call
     assert "stablehlo.convert" in text
@@ -92,7 +89,7 @@ def test_forward_spec_names_the_problem_or_leaves_it_to_xla():
 def test_a_vmap_over_x_with_shared_weights_is_one_call_on_more_rows(cublaslt_accepts):
     """The batching rule with shared weights: the batch becomes one more leading dimension
     of the rows (one call, no members), wherever the vmap's axis is."""
-    x, w, b = _args(jnp.bfloat16, m=6 * 17, k=48, n=33)
+    x, w, b = ones_layer(jnp.bfloat16, m=6 * 17, k=48, n=33)
     xs = x.reshape(17, 6, 48)
     layer = lambda x: op(x, w, b, activation="gelu")
     for in_axes in (0, 1):

@@ -21,6 +21,7 @@ from helpers import (
     cuda_text,
     custom_calls,
     jaxpr_text,
+    ones_layer,
     oracle,
 )
 from tolerances import assert_close, epilog_slack
@@ -30,10 +31,6 @@ from jax_epilog import FastPathWarning, MembersLoopWarning
 from jax_epilog.cuda import ffi
 
 op = functools.partial(jax_epilog.fused_dense, implementation="cublaslt")
-
-
-def _args(dtype, bias_dtype=None, m=33, k=129, n=65):
-    return jnp.ones((m, k), dtype), jnp.ones((k, n), dtype), jnp.ones((n,), bias_dtype or dtype)
 
 
 def _stacked(args, in_axes, members=3):
@@ -168,7 +165,7 @@ def test_an_ensembles_forward_is_one_batched_call(cublaslt_accepts, ensemble, ac
     """Each member's D and aux written in place by one strided-batched GEMM (no loop, so
     no copies in and out); a shared operand is passed once, whole."""
     in_axes = ENSEMBLES[ensemble]
-    args = _stacked(_args(jnp.bfloat16, jnp.float32), in_axes)
+    args = _stacked(ones_layer(jnp.bfloat16, jnp.float32), in_axes)
     layer = jax.vmap(functools.partial(op, activation=activation, return_aux=True), in_axes=in_axes)
     text = cuda_text(layer, *args)
     (call,) = custom_calls(text)
@@ -180,7 +177,7 @@ def test_an_ensembles_forward_is_one_batched_call(cublaslt_accepts, ensemble, ac
 
 
 def test_nested_ensembles_are_one_batched_call_over_every_member(cublaslt_accepts):
-    x, w, b = (jnp.stack([jnp.stack([a] * 3)] * 2) for a in _args(jnp.bfloat16))
+    x, w, b = (jnp.stack([jnp.stack([a] * 3)] * 2) for a in ones_layer(jnp.bfloat16))
     layer = jax.vmap(jax.vmap(functools.partial(op, activation="gelu")))
     (call,) = custom_calls(cuda_text(layer, x, w, b))
     assert "members = 6" in call and call.endswith("-> tensor<6x33x65xbf16>")
@@ -189,7 +186,7 @@ def test_nested_ensembles_are_one_batched_call_over_every_member(cublaslt_accept
 def test_members_sharing_x_and_the_kernel_loop_over_the_single_call(cublaslt_accepts):
     """Only the bias per member: no batched GEMM (nvmath batches by its operands), so the
     loop runs each member's fused call."""
-    x, w, b = _args(jnp.bfloat16)
+    x, w, b = ones_layer(jnp.bfloat16)
     text = cuda_text(
         jax.vmap(functools.partial(op, activation="relu"), in_axes=(None, None, 0)), x, w, jnp.stack([b] * 3)
     )
@@ -199,7 +196,7 @@ def test_members_sharing_x_and_the_kernel_loop_over_the_single_call(cublaslt_acc
 
 @pytest.mark.parametrize("members", [0, 1])
 def test_no_members_or_one_run_as_a_loop(cublaslt_accepts, members):
-    args = [jnp.broadcast_to(a, (members, *a.shape)) for a in _args(jnp.bfloat16)]
+    args = [jnp.broadcast_to(a, (members, *a.shape)) for a in ones_layer(jnp.bfloat16)]
     text = cuda_text(jax.vmap(functools.partial(op, activation="relu")), *args)
     assert all(call.endswith("-> tensor<33x65xbf16>") for call in custom_calls(text))  # one member's, if any
 
@@ -207,7 +204,7 @@ def test_no_members_or_one_run_as_a_loop(cublaslt_accepts, members):
 def test_an_ensembles_gradient_batches_the_forward_and_leaves_the_weight_gradient_to_xla(cublaslt_accepts):
     """Each member's kernel and bias gradients are XLA's batched GEMM and reduction, not a
     loop of BGRADA calls (docs/decisions.md#ensembles)."""
-    args = _stacked(_args(jnp.bfloat16), (0, 0, 0))
+    args = _stacked(ones_layer(jnp.bfloat16), (0, 0, 0))
     loss = lambda *a: jax.vmap(functools.partial(op, activation="gelu"))(*a).astype(jnp.float32).sum()
     text = cuda_text(jax.grad(loss, argnums=(0, 1, 2)), *args)
     (forward,) = custom_calls(text)
@@ -224,7 +221,7 @@ def test_explicit_sharding_binds_the_members_batched_call(cublaslt_accepts):
         (1,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,), devices=jax.devices("cpu")[:1]
     )
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    args = [jax.device_put(a, sharding) for a in _stacked(_args(jnp.bfloat16), (0, 0, 0), members=8)]
+    args = [jax.device_put(a, sharding) for a in _stacked(ones_layer(jnp.bfloat16), (0, 0, 0), members=8)]
     with jax.set_mesh(mesh):
         text = cuda_text(jax.vmap(functools.partial(op, activation="gelu")), *args)
     (call,) = custom_calls(text)
@@ -234,7 +231,7 @@ def test_explicit_sharding_binds_the_members_batched_call(cublaslt_accepts):
 
 def test_a_refused_batch_runs_one_fused_call_per_member_with_one_warning(monkeypatch, fresh_warnings):
     monkeypatch.setattr(ffi, "prepare", lambda spec: "no batch (test)" if spec.members > 1 else None)
-    args = _stacked(_args(jnp.bfloat16), (0, 0, 0))
+    args = _stacked(ones_layer(jnp.bfloat16), (0, 0, 0))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         text = cuda_text(jax.vmap(functools.partial(op, activation="relu")), *args)

@@ -238,3 +238,16 @@ def layer_inputs(rng, m, k, n, dtype):
 def ones_layer(dtype, bias_dtype=None, m=33, k=129, n=65):
     """A layer's (x, kernel, bias) of ones: for what tracing and lowering produce, not values."""
     return jnp.ones((m, k), dtype), jnp.ones((k, n), dtype), jnp.ones((n,), bias_dtype or dtype)
+
+
+# The Flax layers' dtype promotion: every (x dtype, dtype, param_dtype) once, the activation
+# in turn (the promotion rules do not depend on it).
+LAYER_DTYPE_CASES = [
+    (x_dtype, dtype, param_dtype, ACTIVATIONS[i % len(ACTIVATIONS)])
+    for i, (x_dtype, dtype, param_dtype) in enumerate(
+        (x, d, p)
+        for x in ("float32", "bfloat16")
+        for d in (None, "float32", "bfloat16", "float16")
+        for p in ("float32", "bfloat16")
+    )
+]

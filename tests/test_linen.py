@@ -19,6 +19,7 @@ from helpers import (
     ACTIVATIONS,
     FUSED,
     GRAD_TOL,
+    LAYER_DTYPE_CASES,
     TOL,
     act_fn,
     assert_near,
@@ -95,20 +96,7 @@ def test_matches_dense_float32(rng, activation, use_bias, x_shape):
         assert_near(dparams["params"][name], dparams_ref["params"][name], GRAD_TOL["float32"], name)
 
 
-# Every (x_dtype, dtype, param_dtype) once, the activation in turn: the promotion rules do
-# not depend on it.
-DTYPE_CASES = [
-    (x_dtype, dtype, param_dtype, ACTIVATIONS[i % 3])
-    for i, (x_dtype, dtype, param_dtype) in enumerate(
-        (x, d, p)
-        for x in ("float32", "bfloat16")
-        for d in (None, "float32", "bfloat16", "float16")
-        for p in ("float32", "bfloat16")
-    )
-]
-
-
-@pytest.mark.parametrize("x_dtype, dtype, param_dtype, activation", DTYPE_CASES, ids=str)
+@pytest.mark.parametrize("x_dtype, dtype, param_dtype, activation", LAYER_DTYPE_CASES, ids=str)
 def test_dtypes_match_dense(rng, x_dtype, dtype, param_dtype, activation):
     key = jax.random.key(int(rng.integers(2**31)))
     kwargs = {"features": 23, "dtype": dtype, "param_dtype": param_dtype}

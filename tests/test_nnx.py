@@ -16,6 +16,7 @@ from helpers import (
     ACTIVATIONS,
     FUSED,
     GRAD_TOL,
+    LAYER_DTYPE_CASES,
     TOL,
     act_fn,
     assert_near,
@@ -128,20 +129,7 @@ def test_nnx_grad_and_jit(rng):
         assert_near(dm[name][...], dm_ref["linear"][name][...], GRAD_TOL["float32"], name)
 
 
-# Every (x_dtype, dtype, param_dtype) once, the activation in turn: the promotion rules do
-# not depend on it.
-DTYPE_CASES = [
-    (x_dtype, dtype, param_dtype, ACTIVATIONS[i % 3])
-    for i, (x_dtype, dtype, param_dtype) in enumerate(
-        (x, d, p)
-        for x in ("float32", "bfloat16")
-        for d in (None, "float32", "bfloat16", "float16")
-        for p in ("float32", "bfloat16")
-    )
-]
-
-
-@pytest.mark.parametrize("x_dtype, dtype, param_dtype, activation", DTYPE_CASES, ids=str)
+@pytest.mark.parametrize("x_dtype, dtype, param_dtype, activation", LAYER_DTYPE_CASES, ids=str)
 def test_dtypes_match_linear(rng, x_dtype, dtype, param_dtype, activation):
     seed = int(rng.integers(2**31))
     kwargs = {"dtype": dtype, "param_dtype": param_dtype}

@@ -923,16 +923,16 @@ def test_explicit_sharding_of_a_sequence_axis(rng, seen, implementation, activat
     assert set(seen["dense"]) == ({(6, 10, 7)} if implementation == "cublaslt" else set())
 
 
-@pytest.mark.parametrize(
-    "partitioner, spec, rows, activation",
-    [
-        pytest.param("shardy", P(None, "seq"), 16, "relu", id="shardy-seq-relu"),
-        pytest.param("shardy", P("data", "seq"), 8, "gelu", id="shardy-data-seq-gelu"),
-        pytest.param("shardy", P(("data", "seq")), 8, "relu", id="shardy-data+seq-relu"),
-        pytest.param("gspmd", P("data", "seq"), 8, "gelu", id="gspmd-data-seq-gelu"),
-    ],
-    indirect=["partitioner"],
-)
+# A (batch, sequence) x split over the sequence, both or their product, and each device's rows.
+_SEQUENCE_SPLITS = [
+    pytest.param("shardy", P(None, "seq"), 16, "relu", id="shardy-seq-relu"),
+    pytest.param("shardy", P("data", "seq"), 8, "gelu", id="shardy-data-seq-gelu"),
+    pytest.param("shardy", P(("data", "seq")), 8, "relu", id="shardy-data+seq-relu"),
+    pytest.param("gspmd", P("data", "seq"), 8, "gelu", id="gspmd-data-seq-gelu"),
+]
+
+
+@pytest.mark.parametrize("partitioner, spec, rows, activation", _SEQUENCE_SPLITS, indirect=["partitioner"])
 def test_auto_fused_forward_keeps_a_split_sequence(rng, seen, partitioner, spec, rows, activation):
     """Under automatic sharding "auto"'s fused forward takes x with its leading dimensions,
     so each device runs its own (batch, sequence) block, however the two are split: no
@@ -959,16 +959,7 @@ def test_auto_fused_forward_keeps_a_split_sequence(rng, seen, partitioner, spec,
         assert_near(g, want)
 
 
-@pytest.mark.parametrize(
-    "partitioner, spec, rows, activation",
-    [
-        pytest.param("shardy", P(None, "seq"), 16, "relu", id="shardy-seq-relu"),
-        pytest.param("shardy", P("data", "seq"), 8, "gelu", id="shardy-data-seq-gelu"),
-        pytest.param("shardy", P(("data", "seq")), 8, "relu", id="shardy-data+seq-relu"),
-        pytest.param("gspmd", P("data", "seq"), 8, "gelu", id="gspmd-data-seq-gelu"),
-    ],
-    indirect=["partitioner"],
-)
+@pytest.mark.parametrize("partitioner, spec, rows, activation", _SEQUENCE_SPLITS, indirect=["partitioner"])
 def test_auto_cublaslt_gradient_keeps_a_split_sequence(rng, seen, partitioner, spec, rows, activation):
     """Under automatic sharding "cublaslt"'s differentiable path and fused_mlp's linked
     backward take x with its leading dimensions too: the backward's primitives (BGRADA,

@@ -228,11 +228,13 @@ def problems(text: str) -> list[str]:
     return [re.search(r'problem = "(\w+)"', call)[1] for call in custom_calls(text)]
 
 
-def layer_inputs(rng, m, k, n, dtype):
-    """x (m, k), kernel (k, n) ~ N(0, 1/k) and bias (n,) of ``dtype``, drawn from ``rng``."""
+def layer_inputs(rng, m, k, n, dtype, bias_dtype=None):
+    """x (m, k), kernel (k, n) ~ N(0, 1/k) of ``dtype`` and bias (n,) of ``bias_dtype`` (or
+    ``dtype``), drawn from ``rng``."""
     x = rng.standard_normal((m, k))
     w = rng.standard_normal((k, n)) / np.sqrt(k)
-    return jnp.asarray(x, dtype), jnp.asarray(w, dtype), jnp.asarray(rng.standard_normal(n), dtype)
+    b = rng.standard_normal(n)
+    return jnp.asarray(x, dtype), jnp.asarray(w, dtype), jnp.asarray(b, bias_dtype or dtype)
 
 
 def ones_layer(dtype, bias_dtype=None, m=33, k=129, n=65):

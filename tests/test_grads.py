@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import ON_GPU, WEIGHT_GRAD, jaxpr_text, round_operand
+from helpers import ON_GPU, WEIGHT_GRAD, jaxpr_text, layer_inputs, round_operand
 
 import jax_epilog
 from jax_epilog import override_policy, unpack_relu_mask
@@ -20,9 +20,8 @@ fused_dense = functools.partial(jax_epilog.fused_dense, implementation="cublaslt
 
 
 def _inputs(rng, m, k, n, dtype="float32", bias=True):
-    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
-    w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), dtype)
-    return x, w, jnp.asarray(rng.standard_normal(n), dtype) if bias else None
+    x, w, b = layer_inputs(rng, m, k, n, dtype)
+    return x, w, b if bias else None
 
 
 @pytest.mark.parametrize("activation", ["gelu", None, "relu"])

@@ -19,6 +19,7 @@ from helpers import (
     custom_calls,
     device_array,
     jaxpr_text,
+    layer_inputs,
     np_dtype,
     ones_layer,
     oracle,
@@ -117,18 +118,11 @@ SHAPES = [(256, 784, 100), (1, 1, 1), (3, 5, 7), (33, 129, 65), (8192 // 8, 1024
 jit_dense = jax.jit(op, static_argnames=("activation", "compute_type", "return_aux"))
 
 
-def _inputs(rng, m, k, n, dtype, bias_dtype=None):
-    x = rng.standard_normal((m, k))
-    w = rng.standard_normal((k, n)) / np.sqrt(k)
-    b = rng.standard_normal(n)
-    return jnp.asarray(x, dtype), jnp.asarray(w, dtype), jnp.asarray(b, bias_dtype or dtype)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("activation", [None, "relu", "gelu"])
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_lowers_to_our_custom_call(rng, activation, with_bias):
-    x, w, b = _inputs(rng, 33, 129, 65, "bfloat16")
+    x, w, b = layer_inputs(rng, 33, 129, 65, "bfloat16")
     text = jit_dense.lower(x, w, b if with_bias else None, activation=activation).as_text()
     assert TARGET_NAME in text
     assert "stablehlo.dot" not in text and "dot_general" not in text
@@ -141,7 +135,7 @@ def test_lowers_to_our_custom_call(rng, activation, with_bias):
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_forward_matches_float64_oracle(rng, shape, dtype, activation, with_bias):
     m, k, n = shape
-    x, w, b = _inputs(rng, m, k, n, dtype)
+    x, w, b = layer_inputs(rng, m, k, n, dtype)
     b = b if with_bias else None
     y, aux = jit_dense(x, w, b, activation=activation, return_aux=True)
     expected, z = oracle(x, w, b, activation)
@@ -161,7 +155,7 @@ def test_forward_matches_float64_oracle(rng, shape, dtype, activation, with_bias
 
 @pytest.mark.gpu
 def test_tf32_compute_type(rng):
-    x, w, b = _inputs(rng, 129, 257, 65, "float32")
+    x, w, b = layer_inputs(rng, 129, 257, 65, "float32")
     y = jit_dense(x, w, b, activation="gelu", compute_type="COMPUTE_32F_FAST_TF32")
     assert_scaled_close(y, oracle(x, w, b, "gelu")[0], GPU_TOL["tf32"])
 
@@ -169,7 +163,7 @@ def test_tf32_compute_type(rng):
 @pytest.mark.gpu
 @pytest.mark.parametrize("activation", ["relu", "gelu"])
 def test_seed_case_fp16_with_fp32_bias_is_fused_and_exact(rng, activation):
-    x, w, b = _inputs(rng, 256, 784, 100, "float16", bias_dtype="float32")
+    x, w, b = layer_inputs(rng, 256, 784, 100, "float16", bias_dtype="float32")
     f = functools.partial(jit_dense, activation=activation, compute_type="COMPUTE_32F")
     assert TARGET_NAME in jit_dense.lower(x, w, b, activation=activation).as_text()
     y = f(x, w, b)
@@ -196,7 +190,7 @@ def test_matches_nvmath_matmul_directly(rng, activation, dtype):
     from nvmath.linalg.advanced import Matmul, MatmulEpilog
 
     m, k, n = 200, 333, 96 + 5
-    x, w, b = _inputs(rng, m, k, n, dtype)
+    x, w, b = layer_inputs(rng, m, k, n, dtype)
     y, aux = jit_dense(x, w, b, activation=activation, return_aux=True)
     dt = np_dtype(dtype)
     # The same column-major problem as the fast path: D[n, m] = W^T[n, k] @ X^T[k, m].
@@ -222,7 +216,7 @@ def test_matches_nvmath_matmul_directly(rng, activation, dtype):
 
 @pytest.mark.gpu
 def test_vmap_shared_weights_is_one_custom_call(rng):
-    x, w, b = _inputs(rng, 6 * 17, 48, 33, "bfloat16")
+    x, w, b = layer_inputs(rng, 6 * 17, 48, 33, "bfloat16")
     xs = x.reshape(6, 17, 48)
     f = jax.jit(jax.vmap(lambda x: op(x, w, b, activation="gelu")))
     assert f.lower(xs).as_text().count(TARGET_NAME) == 1

@@ -21,6 +21,7 @@ from helpers import (
     cuda_text,
     custom_calls,
     jaxpr_text,
+    layer_inputs,
     ones_layer,
     oracle,
 )
@@ -248,20 +249,13 @@ def test_a_refused_batch_runs_one_fused_call_per_member_with_one_warning(monkeyp
 # ------------------------------------------------------------------------ on a GPU
 
 
-def _inputs(rng, m, k, n, dtype, bias_dtype=None):
-    x = rng.standard_normal((m, k))
-    w = rng.standard_normal((k, n)) / np.sqrt(k)
-    b = rng.standard_normal(n)
-    return jnp.asarray(x, dtype), jnp.asarray(w, dtype), jnp.asarray(b, bias_dtype or dtype)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("activation", ["relu", "gelu"])
 def test_ensemble_runs_the_fused_path_and_differentiates(rng, activation):
     """vmap over the weights without explicit sharding (members_p): the forward is one
     batched custom call, the kernel and bias gradients XLA's batched GEMM and reduction;
     the gradients (ReLU's from the members' bit-masks) are the oracle's."""
-    members = [_inputs(rng, 40, 24, 72, "bfloat16") for _ in range(3)]
+    members = [layer_inputs(rng, 40, 24, 72, "bfloat16") for _ in range(3)]
     x, w, b = (jnp.stack(a) for a in zip(*members))
     layer = jax.vmap(lambda x, w, b: op(x, w, b, activation=activation))
     assert MEMBERS in jaxpr_text(layer, x, w, b)
@@ -289,7 +283,7 @@ def test_an_ensembles_batched_forward_matches_the_oracle_member_by_member(
     own layer's (sizes not multiples of 8: rows, N, and the aux's padding)."""
     in_axes = ENSEMBLES[ensemble]
     m, k, n = 33, 129, 65
-    draws = [_inputs(rng, m, k, n, dtype, bias_dtype) for _ in range(3)]
+    draws = [layer_inputs(rng, m, k, n, dtype, bias_dtype) for _ in range(3)]
     args = [jnp.stack(parts) if ax == 0 else parts[0] for parts, ax in zip(zip(*draws), in_axes)]
     layer = jax.jit(jax.vmap(functools.partial(op, activation=activation, return_aux=True), in_axes=in_axes))
     text = layer.lower(*args).as_text()
@@ -374,7 +368,7 @@ def test_ensemble_edge_cases_match_the_float64_reference(rng, case, explicit):
 
 @pytest.mark.gpu
 def test_nested_ensembles_run_one_batched_call(rng):
-    draws = [[_inputs(rng, 24, 40, 56, "bfloat16") for _ in range(3)] for _ in range(2)]
+    draws = [[layer_inputs(rng, 24, 40, 56, "bfloat16") for _ in range(3)] for _ in range(2)]
     x, w, b = (jnp.stack([jnp.stack([member[p] for member in row]) for row in draws]) for p in range(3))
     layer = jax.jit(jax.vmap(jax.vmap(functools.partial(op, activation="relu"))))
     assert "members = 6" in layer.lower(x, w, b).as_text()
@@ -393,7 +387,7 @@ def test_explicit_sharding_ensemble_runs_one_batched_fused_call(rng):
     from jax.sharding import PartitionSpec as P
 
     mesh = jax.make_mesh((1,), ("data",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:1])
-    members = [_inputs(rng, 40, 24, 72, "bfloat16") for _ in range(3)]
+    members = [layer_inputs(rng, 40, 24, 72, "bfloat16") for _ in range(3)]
     x, w, b = (jax.device_put(jnp.stack(a), NamedSharding(mesh, P("data"))) for a in zip(*members))
     layer = jax.vmap(lambda x, w, b: op(x, w, b, activation="gelu"))
     grad = jax.jit(

@@ -23,6 +23,7 @@ from ._epilogs import ACTIVATIONS, Activation, ComputeType
 from ._grads import layer_grads
 from ._padding import on_padded_rows
 from ._typing import like
+from .fp8._api import check_options, dense_call
 from .primitives import fused_matmul
 
 __all__ = ["fused_dense"]
@@ -37,6 +38,8 @@ def fused_dense(
     compute_type=None,
     return_aux: bool = False,
     implementation: str = "auto",
+    fp8=None,
+    fp8_output: bool = False,
 ):
     """``act(x @ kernel + bias)`` as one cuBLASLt kernel on NVIDIA GPUs.
 
@@ -44,6 +47,7 @@ def fused_dense(
 
         y = fused_dense(x, kernel, bias, activation="gelu")
         y, aux = fused_dense(x, kernel, bias, activation="relu", return_aux=True)
+        y, state = fused_dense(x, kernel, bias, activation="gelu", fp8=state)
 
     Args:
       x: (..., K) float16, bfloat16, float32 or float64 array; its leading dimensions are M.
@@ -64,8 +68,15 @@ def fused_dense(
         GELU layers, XLA's expression and autodiff elsewhere and for every backward, and
         the op wherever XLA cannot compute the result (``return_aux``, 16-bit compute).
 
+      fp8: a ``jax_epilog.fp8.DenseState``: quantize x and the kernel to E4M3 with its
+        scales, run the GEMMs in FP8 (gradients in E5M2) and return ``(y, new_state)``.
+        ``x`` may then be a ``fp8.Quantized`` (used as it is; forward only).
+      fp8_output: with ``fp8``, write y in E4M3 with the state's output scale: ``y`` is then
+        a ``fp8.Quantized`` (forward only).
+
     Returns:
-      ``y`` (..., N) in ``x``'s dtype, or ``(y, aux)`` with ``return_aux=True``.
+      ``y`` (..., N) in ``x``'s dtype, ``(y, aux)`` with ``return_aux=True``, or
+      ``(y, new_state)`` with ``fp8``.
 
     Raises TypeError or ValueError at trace time for arguments the op cannot take. On a
     CPU, and where cuBLASLt cannot run a problem (float64, an empty dimension, a refused
@@ -73,6 +84,9 @@ def fused_dense(
     everywhere and differentiates again; forward mode only through XLA's expression
     ("auto", "xla"). Numerics, padding and the aux: ``docs/numerics.md``.
     """
+    if fp8 is not None:
+        check_options("fused_dense", compute_type, return_aux, implementation)
+        return dense_call(x, kernel, bias, activation, fp8, fp8_output)
     check_array(x, "x", "fused_dense")
     act, dtype, ct, f32_bias = check_layer("fused_dense", x.shape, x, kernel, bias, activation, compute_type)
     check_return_aux(return_aux, "fused_dense")

@@ -217,6 +217,21 @@ class EpilogSpec(NamedTuple):
         """Whether the aux is a bit-mask (one byte per eight outputs)."""
         return self.problem == "forward" and self.has_aux and ACTIVATIONS[self.activation].aux_bits
 
+    def call_pointers(self, ins, outs) -> tuple[int, ...]:
+        """The GEMM's (A, B, D, bias, aux) from a call's operand and result pointers: the
+        bias is the forward's input or wgrad's dbias output, the aux the forward's output
+        or dgrad's input."""
+        arg2, ret1 = (ins[2] if len(ins) > 2 else 0), (outs[1] if len(outs) > 1 else 0)
+        if self.problem == "forward":  # (x, kernel[, bias]) -> (D[, aux])
+            return ins[1], ins[0], outs[0], arg2, ret1
+        if self.problem == "wgrad":  # (x, dz) -> (dkernel, dbias)
+            return ins[1], ins[0], outs[0], ret1, 0
+        return ins[1], ins[0], outs[0], 0, arg2  # dgrad: (dz, kernel, aux) -> D
+
+    def matrix_pointers(self, pointers) -> tuple[int, ...]:
+        """The pointers whose alignment a plan promises cuBLASLt: all of them."""
+        return tuple(pointers)
+
 
 def buffer_elements(s: EpilogSpec) -> tuple[int, int, int, int, int]:
     """Elements of A, B, D, the bias and the aux of problem ``s`` (see EpilogSpec), all

@@ -34,6 +34,7 @@ from ._epilogs import ACTIVATIONS, XLA_COMPUTE_TYPES, Activation, ComputeType, a
 from ._grads import layer_grads
 from ._padding import on_padded_rows, pad_to
 from ._typing import like
+from .fp8._api import check_options, mlp_call
 from .primitives import fused_gelu_input_grad, fused_matmul
 
 __all__ = ["fused_mlp"]
@@ -48,7 +49,8 @@ def fused_mlp(
     *,
     compute_type=None,
     implementation: str = "auto",
-) -> jax.Array:
+    fp8: Sequence | None = None,
+):
     """``fused_dense`` layers in sequence, differentiated as one block.
 
     ``h_{i+1} = act_i(h_i @ kernel_i + bias_i)`` from ``h_0 = x``; returns the last ``h``.
@@ -63,9 +65,13 @@ def fused_mlp(
       activations: one per layer: None, ``"relu"`` or ``"gelu"``.
       compute_type: as for ``fused_dense``, for every layer.
       implementation: ``"auto"`` (default), ``"cublaslt"`` or ``"xla"``, for every layer.
+      fp8: one ``jax_epilog.fp8.DenseState`` per layer: run the block in FP8, each hidden
+        layer's epilog writing the next GEMM's E4M3 operand (``docs/fp8.md``); returns
+        ``(y, new_states)``.
 
     Returns:
-      (..., N_last) array in ``x``'s dtype: the values of the stacked ``fused_dense`` calls.
+      (..., N_last) array in ``x``'s dtype: the values of the stacked ``fused_dense`` calls
+      (with ``fp8``: ``(y, new_states)``).
 
     The gradient also equals theirs, except where this function sees more than one call:
     a GELU layer that feeds another layer is *linked* ("cublaslt"; "auto" on large
@@ -78,6 +84,9 @@ def fused_mlp(
     """
     check_array(x, "x", _OWNER)
     layers, activations = check_pairs(layers, activations, _OWNER)
+    if fp8 is not None:
+        check_options(_OWNER, compute_type, False, implementation)
+        return mlp_call(x, layers, activations, fp8)
     checked = _check_layers(x, layers, activations, compute_type, implementation)
     dtype = dtype_name(x)
     widths = [x.shape[-1], *(kernel.shape[1] for kernel, _ in layers)]

@@ -77,7 +77,8 @@ class Layout(NamedTuple):
     by ``factor_sizes``) for N; factors ``whole`` never split. ``members``: operands with
     ``depth`` leading member dimensions ("e0", "e1", ... in the rule; ``over_members``),
     every result then has them too, and the dimensions above sit ``depth`` further along.
-    ``row_dims``: how many leading dimensions (after any member dimensions) make up M in
+    ``maxed``: results that are a maximum over M and N (an amax), reduced over the devices
+    that split either (``pmax``: one all-reduce of a scalar). ``row_dims``: how many leading dimensions (after any member dimensions) make up M in
     the operands and results in ``rows`` (x of shape (batch, seq, K): two, "m0 m1" in the
     rule; each may be split on its own); their other dimensions sit ``row_dims - 1``
     further along than the indices above, which count one.
@@ -93,6 +94,7 @@ class Layout(NamedTuple):
     members: tuple[int, ...] = ()
     depth: int = 0
     row_dims: int = 1
+    maxed: tuple[int, ...] = ()
 
     def over_members(self, batched, depth: int = 1) -> Layout:
         """This layout for the primitive run once per member of an ensemble: the
@@ -180,6 +182,11 @@ def _partitioned(primitive, params: dict, layout: Layout):
                     dim += _offset(layout, 1, i) + _extra_rows(layout, 1, i)
                     share = result_shapes[i].shape[dim] // _size(mesh, split.cols)
                     outs[i] = _own_columns(outs[i], dim, share, split)
+            maxed_over = split.row_axes + split.cols
+            outs = [
+                jax.lax.pmax(o, maxed_over) if i in layout.maxed and maxed_over else o
+                for i, o in enumerate(outs)
+            ]
             if not split.row_axes:
                 return outs
             return [jax.lax.psum(o, split.row_axes) if i in layout.summed else o for i, o in enumerate(outs)]

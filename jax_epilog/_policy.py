@@ -100,6 +100,12 @@ class Policy:
     splitk_any_reduction: bool = _field(
         False, "allow split-K partial sums reduced outside the compute type", "splitk-reduction"
     )
+    # FP8.
+    fp8_fast_accum: tuple[str, ...] = _field(
+        ("forward",),
+        "FP8 problems ('forward', 'dgrad', 'wgrad') accumulated in the tensor cores' fast mode",
+        "fp8-fast-accum",
+    )
     # Replay of one-GEMM CUDA graphs outside XLA's command buffers.
     replay: bool = _field(
         _env_flag("JAX_EPILOG_REPLAY"),

@@ -17,9 +17,10 @@ from jax.interpreters import mlir
 
 from jax_epilog import _reference, _warnings
 from jax_epilog._epilogs import ComputeType, check_buffers
+from jax_epilog._fp8_spec import check_fp8_buffers
 from jax_epilog._partition import partitioned_lowering
 from jax_epilog.cuda import ffi
-from jax_epilog.primitives import forward, gelu_input_grad, members, weight_grad
+from jax_epilog.primitives import forward, fp8_gemm, gelu_input_grad, members, weight_grad
 from jax_epilog.primitives._base import _with_rows_folded
 
 jax.config.update("jax_enable_x64", True)
@@ -99,6 +100,7 @@ _RULES = [
         gelu_input_grad._layout,
     ),
     (members.members_p, members._cuda, members._member_loop, members._layout),
+    (fp8_gemm.fp8_matmul_p, fp8_gemm._cuda, fp8_gemm.reference, fp8_gemm._layout),
 ]
 
 
@@ -121,6 +123,8 @@ def _reference_call(seen: list, operands, results, spec):
     """The custom call's results from its problem's reference math on the operands it is
     handed, whose shapes must be the problem's (padded) sizes, as ``ffi.call`` checks
     them. Appends ``spec`` to ``seen``."""
+    if spec.problem == "fp8":
+        return _fp8_reference_call(seen, operands, results, spec)
     check_buffers([o.shape for o in operands], [r.shape for r in results], spec)
     seen.append(spec)
     ct = ComputeType[spec.compute_type]
@@ -150,6 +154,22 @@ def _reference_call(seen: list, operands, results, spec):
         outs = [d] if aux is None else [d, aux]
     assert [(o.shape, o.dtype) for o in outs] == [(r.shape, r.dtype) for r in results]
     return list(outs)
+
+
+def _fp8_reference_call(seen: list, operands, results, spec):
+    """An FP8 custom call from the emulation, on the GPU's K-contiguous P (M, K) and Q (N, K)."""
+    check_fp8_buffers([o.shape for o in operands], [r.shape for r in results], spec)
+    assert operands[0].dtype.name == spec.p_dtype and operands[1].dtype.name == spec.q_dtype
+    seen.append(spec)
+    p, q, *rest = operands
+    params = {"epilog": spec.epilog, "d_dtype": results[0].dtype, "amax": bool(spec.amax)}
+    params["aux_dtype"] = results[-1].dtype if spec.aux_out else None
+    if spec.aux_in:  # DGELU reads the aux in the dgrad layout: Q is the kernel (N, K)
+        outs = fp8_gemm.reference(p, q, *rest, problem="dgrad", **params)
+    else:
+        outs = fp8_gemm.reference(p, q.T, *rest, problem="forward", **params)
+    assert [(o.shape, o.dtype) for o in outs] == [(r.shape, r.dtype) for r in results]
+    return outs
 
 
 @pytest.fixture

@@ -31,6 +31,7 @@ import jax
 import numpy as np
 
 from .._epilogs import EpilogSpec, check_buffers
+from .._fp8_spec import Fp8Spec, check_fp8_buffers
 
 __all__ = [
     "EXPORT_CHECKS",
@@ -121,20 +122,24 @@ def prepare(spec: EpilogSpec) -> str | None:
     return None
 
 
-def call(operands: tuple[jax.Array, ...], results: list[jax.ShapeDtypeStruct], spec: EpilogSpec):
+def call(operands: tuple[jax.Array, ...], results: list[jax.ShapeDtypeStruct], spec: EpilogSpec | Fp8Spec):
     """Emit the custom call for ``spec``; returns the list of results.
 
     Operands and results by position: forward (x, kernel[, bias]) -> (D[, aux]), each with
     a leading members dimension where ``spec.members > 1``, except those in
-    ``spec.shared``; wgrad (x, dz) -> (dkernel, dbias); dgrad (dz, kernel, aux) -> (D).
+    ``spec.shared``; wgrad (x, dz) -> (dkernel, dbias); dgrad (dz, kernel, aux) -> (D);
+    an Fp8Spec's ``operands()`` -> ``results()``.
     """
-    check_buffers([o.shape for o in operands], [r.shape for r in results], spec)
+    check = check_fp8_buffers if spec.problem == "fp8" else check_buffers
+    check([o.shape for o in operands], [r.shape for r in results], spec)
     key = _spec_key(spec)
     _handler.remember(key, spec)
     attributes = {
         name: np.int64(value) if isinstance(value, int) else value for name, value in spec._asdict().items()
     }
-    attributes["bias_dtype"] = spec.bias_dtype or ""
+    for name in ("bias_dtype", "aux_dtype"):
+        if name in attributes:
+            attributes[name] = attributes[name] or ""
     return jax.ffi.ffi_call(TARGET_NAME, results)(*operands, _key=np.int64(key), **attributes)
 
 
@@ -227,20 +232,16 @@ class _Handler:
         key = _WORDS[_WORDS[(scalar >> 3) + 1] >> 3]
         stream = api.stream(_WORDS[f + _F_CTX])
         args, rets = _WORDS[f + _F_ARGS], _WORDS[f + _F_RETS]
-        b, a = _buffer(args, 0), _buffer(args, 1)  # (x, kernel), (x, dz) or (dz, kernel)
-        arg2 = _buffer(args, 2) if _WORDS[f + _F_NARGS] > 2 else 0
-        d = _buffer(rets, 0)
-        ret1 = _buffer(rets, 1) if _WORDS[f + _F_NRETS] > 1 else 0
+        ins = [_buffer(args, i) for i in range(_WORDS[f + _F_NARGS])]
+        outs = [_buffer(rets, i) for i in range(_WORDS[f + _F_NRETS])]
         plans = self._plan_module or self._load_plans()
-        alignment = plans.alignment_of(b, a, d, arg2, ret1)
-        plan = self._plans.get((key, stream, alignment)) or self._make_plan(key, stream, alignment, d, frame)
-        problem = plan.problem
-        if problem == "forward":  # (x, kernel[, bias]) -> (D[, aux])
-            plan.run(stream, a, b, arg2, d, ret1)
-        elif problem == "wgrad":  # (x, dz) -> (dkernel, dbias)
-            plan.run(stream, a, b, ret1, d, 0)
-        else:  # "dgrad": (dz, kernel, aux) -> D; the aux is an input
-            plan.run(stream, a, b, 0, d, arg2)
+        spec = self._specs.get(key) or self._learn(key, frame)
+        pointers = spec.call_pointers(ins, outs)
+        alignment = plans.alignment_of(*spec.matrix_pointers(pointers))
+        plan = self._plans.get((key, stream, alignment)) or self._make_plan(
+            key, spec, stream, alignment, outs[0]
+        )
+        plan.run(stream, *pointers)
 
     def _pin_thread_state(self) -> None:
         """Keep this thread's Python thread state alive between calls: ctypes enters a
@@ -299,10 +300,13 @@ class _Handler:
                 decoded[name] = _span(value).decode()
             elif kind == _ATTR_SCALAR:  # every scalar attribute here is an int64
                 decoded[name] = _WORDS[_WORDS[(value >> 3) + 1] >> 3]
-        decoded["bias_dtype"] = decoded.get("bias_dtype") or None
-        return EpilogSpec(**{name: decoded[name] for name in EpilogSpec._fields})
+        for name in ("bias_dtype", "aux_dtype"):
+            decoded[name] = decoded.get(name) or None
+        kind = Fp8Spec if decoded["problem"] == "fp8" else EpilogSpec
+        return kind(**{name: decoded[name] for name in kind._fields})
 
-    def _make_plan(self, key, stream, alignment, d, frame):
+    def _learn(self, key: int, frame: int):
+        """The problem of a call whose lowering this process did not see (``jax.export``)."""
         with self._lock:
             spec = self._specs.get(key)
             if spec is None:
@@ -310,6 +314,10 @@ class _Handler:
                 if _spec_key(spec) != key:
                     raise RuntimeError(f"decoded problem {spec} does not match its key")
                 self._specs[key] = spec
+            return spec
+
+    def _make_plan(self, key, spec, stream, alignment, d):
+        with self._lock:
             if alignment == 0:
                 raise RuntimeError("operand addresses are not 16-byte aligned")
             plan = self._plan_module.get_plan(spec, self._plan_module.device_of(d), alignment)

@@ -13,6 +13,8 @@ own heuristic query then sees the same alignment the plan promises). The layouts
 * dgrad: D[k, m] = A[k, n] @ B[n, m]: A the row-major (k, n) kernel read as row-ordered,
   B the row-major (m, n) dz, D the row-major (m, k) input gradient; the aux is the previous
   layer's GELU input in its forward layout.
+* FP8 (``Fp8Spec``): D[n, m] = A^T[n, k] @ B[k, m] with A = Q and B = P, both row-major
+  with K contiguous; described with cuBLASLt's own calls (``plan._Fp8Matmul``), no views.
 """
 
 from __future__ import annotations

@@ -28,11 +28,14 @@ try:
     from cuda.core import Device as _CoreDevice
 except ImportError:  # cuda-core before 0.4
     from cuda.core.experimental import Device as _CoreDevice
-from nvmath.bindings import cublasLt
+from nvmath.bindings import cublas, cublasLt
+from nvmath.internal.typemaps import NAME_TO_DATA_TYPE
 from nvmath.linalg._internal import matmul_pref_ifc
+from nvmath.linalg._internal.matmul_desc_ifc import MatmulDescInterface
 from nvmath.linalg.advanced import Matmul, MatmulComputeType, MatmulEpilog, MatmulOptions
 
 from .._epilogs import EpilogSpec
+from .._fp8_spec import Fp8Spec
 from .._policy import get_policy
 from . import operands, tuning
 from .replay import Replayer
@@ -54,8 +57,18 @@ _MATMUL_INTERNALS = (
 # The operand alignments a plan can promise cuBLASLt, best first: XLA guarantees 16 bytes
 # and usually gives 256.
 _ALIGNMENTS = (256, 16)
-_BIAS_ATTR = int(cublasLt.MatmulDescAttribute.BIAS_POINTER)
-_AUX_ATTR = int(cublasLt.MatmulDescAttribute.EPILOGUE_AUX_POINTER)
+_ATTR = cublasLt.MatmulDescAttribute
+# The pointers a call sets in the descriptor, after A, B and D, in Plan.run's order.
+_POINTER_ATTRS = (_ATTR.BIAS_POINTER, _ATTR.EPILOGUE_AUX_POINTER)
+_FP8_POINTERS = {  # an FP8 call's buffers by Fp8Spec name: where each goes
+    "q_scale": _ATTR.A_SCALE_POINTER,
+    "p_scale": _ATTR.B_SCALE_POINTER,
+    "d_scale": _ATTR.D_SCALE_POINTER,
+    "bias": _ATTR.BIAS_POINTER,
+    "dbias": _ATTR.BIAS_POINTER,
+    "aux": _ATTR.EPILOGUE_AUX_POINTER,
+    "amax": _ATTR.AMAX_D_POINTER,
+}
 
 
 class PlanningError(RuntimeError):
@@ -114,6 +127,21 @@ def _handle(device_id: int) -> int:
     return _handles[device_id]
 
 
+def _fp8_matmul(spec: Fp8Spec, device_id: int) -> _Fp8Matmul:
+    capability = int(cp.cuda.Device(device_id).compute_capability)
+    if capability < 89:  # one message for every problem: one warning
+        raise PlanningError(
+            f"FP8 GEMMs need compute capability 8.9 or newer (Ada, Hopper, Blackwell); this GPU "
+            f"has {capability // 10}.{capability % 10}: FP8 layers run emulated in XLA (float32 GEMMs)"
+        )
+    with cp.cuda.Device(device_id):
+        _CoreDevice(device_id).set_current()
+        try:
+            return _Fp8Matmul(spec, device_id)
+        except Exception as exc:
+            raise PlanningError(f"cuBLASLt cannot describe {spec}: {exc}") from exc
+
+
 def _planned_matmul(spec: EpilogSpec, device_id: int, alignment: int, handle: int) -> Matmul:
     """nvmath's Matmul for ``spec``, planned with its epilog on views of the right layout.
 
@@ -140,6 +168,55 @@ def _planned_matmul(spec: EpilogSpec, device_id: int, alignment: int, handle: in
     return mm
 
 
+class _Fp8Matmul:
+    """The descriptor and layouts of one FP8 GEMM (``Fp8Spec``), made with cuBLASLt's own
+    calls: nvmath's ``Matmul`` plans FP8 only on operands of packages that have FP8 dtypes,
+    and XLA's buffers arrive as bare pointers. The pointer attributes point at a scratch
+    allocation while the heuristics choose (they choose by which pointers are set), and at
+    the call's buffers at every call."""
+
+    def __init__(self, spec: Fp8Spec, device_id: int):
+        dtype = lambda name: int(NAME_TO_DATA_TYPE[name])
+        self.mm_desc = cublasLt.matmul_desc_create(int(MatmulComputeType.COMPUTE_32F), dtype("float32"))
+        ifc = MatmulDescInterface(self.mm_desc)
+        ifc.transa, ifc.transb = int(cublas.Operation.T), int(cublas.Operation.N)
+        ifc.epilogue = int(cublasLt.Epilogue[spec.epilog])
+        ifc.fast_accum = spec.fast_accum
+        with cp.cuda.Device(device_id):
+            self._scratch = cp.cuda.alloc(1024)
+        for i, attribute in enumerate(pointer_attributes(spec)):
+            setattr(ifc, attribute.name.lower(), self._scratch.ptr + 64 * i)
+        if spec.bias_dtype:
+            ifc.bias_data_type = dtype(spec.bias_dtype)
+        if spec.aux_out or spec.aux_in:
+            ifc.epilogue_aux_ld = spec.aux_ld
+            if spec.aux_dtype:
+                ifc.epilogue_aux_data_type = dtype(spec.aux_dtype)
+        # C is never read (beta = 0) but must have a 16-bit type beside an FP8 D.
+        c_dtype = "bfloat16" if spec.d_fp8 else spec.d_dtype
+        m, n, k = spec.m, spec.n, spec.k
+        self.a_layout_ptr = cublasLt.matrix_layout_create(dtype(spec.q_dtype), k, n, k)
+        self.b_layout_ptr = cublasLt.matrix_layout_create(dtype(spec.p_dtype), k, m, k)
+        self.c_layout_ptr = cublasLt.matrix_layout_create(dtype(c_dtype), n, m, n)
+        self.d_layout_ptr = cublasLt.matrix_layout_create(dtype(spec.d_dtype), n, m, n)
+        self.alpha, self.beta = np.ones(1, np.float32), np.zeros(1, np.float32)
+
+    def __del__(self):
+        for name in ("a_layout_ptr", "b_layout_ptr", "c_layout_ptr", "d_layout_ptr"):
+            if getattr(self, name, None):
+                cublasLt.matrix_layout_destroy(getattr(self, name))
+        if getattr(self, "mm_desc", None):
+            cublasLt.matmul_desc_destroy(self.mm_desc)
+
+
+def pointer_attributes(spec) -> tuple:
+    """The descriptor attributes a call of ``spec`` points at its buffers, in the order of
+    ``Plan.run``'s pointers after (a, b, d)."""
+    if spec.problem != "fp8":
+        return _POINTER_ATTRS
+    return tuple(_FP8_POINTERS[name] for name in (*spec.operands(), *spec.results())[2:] if name != "d")
+
+
 class Plan:
     """A planned fused GEMM for one problem, device and pointer alignment."""
 
@@ -150,13 +227,20 @@ class Plan:
             raise PlanningError(f"only forward problems batch over members: {spec}")
         self.spec, self.device_id, self.alignment, self.problem = spec, device_id, alignment, spec.problem
         self._handle = _handle(device_id)
-        self._mm = _planned_matmul(spec, device_id, alignment, self._handle)  # owns the descriptors
+        if spec.problem == "fp8":
+            self._mm = _fp8_matmul(spec, device_id)
+        else:
+            self._mm = _planned_matmul(spec, device_id, alignment, self._handle)  # owns the descriptors
         mm = self._mm
         self._desc = mm.mm_desc
         self._layouts = (mm.a_layout_ptr, mm.b_layout_ptr, mm.c_layout_ptr, mm.d_layout_ptr)
         self._alpha, self._beta = mm.alpha.ctypes.data, mm.beta.ctypes.data
-        self._ptr_buf = np.zeros(2, dtype=np.uint64)  # the bias and aux pointers cuBLASLt reads
-        self._last = [None, None]
+        self._attrs = [int(a) for a in pointer_attributes(spec)]
+        # C is never read (beta = 0). Beside an FP8 D it has another type (the bias's), and
+        # cuBLASLt refuses C = D there: C is then null.
+        self._c_is_d = not getattr(spec, "d_fp8", False)
+        self._ptr_buf = np.zeros(len(self._attrs), dtype=np.uint64)  # the pointers cuBLASLt reads
+        self._last = [None] * len(self._attrs)
         self._lock = threading.Lock()
         self.tuning: list[float] | None = None  # µs per candidate, when autotuned
         self._choose(autotune, choice)
@@ -169,7 +253,7 @@ class Plan:
         if autotune:
             workspace = int(np.max(heuristic["workspace_size"])) + 16  # one workspace for every candidate
             self.tuning = tuning.time_candidates(self, len(heuristic), workspace)
-            self._last = [None, None]  # the descriptor pointed at scratch buffers
+            self._last = [None] * len(self._attrs)  # the descriptor pointed at scratch buffers
             best = int(np.argmin(self.tuning))
             if not np.isfinite(self.tuning[best]):  # planned, then refused at every launch
                 raise PlanningError(
@@ -221,15 +305,17 @@ class Plan:
             raise PlanningError(f"cuBLASLt found no algorithm for {self.spec}")
         return result[: found[0]]
 
-    def run(self, stream: int, a: int, b: int, bias: int, d: int, aux: int) -> None:
-        """One fused GEMM on ``stream``: A and B are inputs, D and (forward) the aux outputs;
-        ``bias`` is the bias (forward) or the dbias output (wgrad); ``aux`` is dgrad's input."""
-        if not self._replayer.launch((stream, a, b, bias, d, aux)):
+    def run(self, stream: int, a: int, b: int, d: int, *pointers: int) -> None:
+        """One fused GEMM on ``stream``: A and B are inputs, D an output, and ``pointers``
+        those of ``pointer_attributes(spec)`` (0: unchanged). For EpilogSpec problems they
+        are (bias, aux): the bias (forward) or the dbias output (wgrad), and the aux, an
+        output (forward) or dgrad's input."""
+        if not self._replayer.launch((stream, a, b, d, *pointers)):
             with self._lock:
-                self._issue(stream, a, b, bias, d, aux)
+                self._issue(stream, a, b, d, *pointers)
 
     def launch_candidate(self, index: int, stream: int, pointers, ws_ptr: int, ws_size: int) -> None:
-        """Heuristic candidate ``index`` on ``pointers`` = (a, b, bias, d, aux) (autotuning)."""
+        """Heuristic candidate ``index`` on ``pointers`` = (a, b, d, *the rest) (autotuning)."""
         with self._lock:
             self._issue(
                 stream,
@@ -238,18 +324,18 @@ class Plan:
                 workspace=(ws_ptr, ws_size),
             )
 
-    def _issue(self, stream, a, b, bias, d, aux, algo=None, workspace=None) -> None:
+    def _issue(self, stream, a, b, d, *pointers, algo=None, workspace=None) -> None:
         """``cublasLtMatmul`` with this call's pointers (the caller holds the lock: the
         descriptor is shared)."""
-        if bias and bias != self._last[0]:
-            self._set_pointer(0, _BIAS_ATTR, bias)
-        if aux and aux != self._last[1]:
-            self._set_pointer(1, _AUX_ATTR, aux)
+        for slot, pointer in enumerate(pointers):
+            if pointer and pointer != self._last[slot]:
+                self._set_pointer(slot, self._attrs[slot], pointer)
         a_layout, b_layout, c_layout, d_layout = self._layouts
         ws_ptr, ws_size = workspace or (self._ws_ptr, self._ws_size)
         cublasLt.matmul(
             self._handle, self._desc, self._alpha, a, a_layout, b, b_layout,
-            self._beta, d, c_layout, d, d_layout, algo or self._algo, ws_ptr, ws_size, stream,
+            self._beta, d if self._c_is_d else 0, c_layout, d, d_layout, algo or self._algo, ws_ptr,
+            ws_size, stream,
         )  # fmt: skip
 
     def _set_pointer(self, slot: int, attribute: int, value: int) -> None:

@@ -19,6 +19,7 @@ import numpy as np
 from cuda.bindings import runtime as cudart
 
 from .._epilogs import EpilogSpec, buffer_bytes
+from .._fp8_spec import Fp8Spec
 from .._policy import get_policy
 
 __all__ = ["CAPTURE_RELAXED", "fill_normal", "graph_us", "time_candidates"]
@@ -69,7 +70,7 @@ def graph_us(stream: cp.cuda.Stream, launch: Callable[[], None], runs: int, samp
 
 def _scratch(spec: EpilogSpec, workspace: int, stream: cp.cuda.Stream):
     """Scratch operands for ``spec``, filled as a layer's are: x, dz and z ~ N(0, 1), the
-    kernel ~ N(0, 1/k). Returns (allocation, (a, b, bias, d, aux) pointers, workspace ptr)."""
+    kernel ~ N(0, 1/k). Returns (allocation, (a, b, d, bias, aux) pointers, workspace ptr)."""
     raw = buffer_bytes(spec)
     sizes = [-(-b // 256) * 256 for b in raw]
     offsets = np.cumsum([0, *sizes])
@@ -88,7 +89,32 @@ def _scratch(spec: EpilogSpec, workspace: int, stream: cp.cuda.Stream):
             )
     stream.synchronize()
     a, b, d, bias, aux = (int(o) + scratch.ptr if size else 0 for o, size in zip(offsets[:5], sizes))
-    return scratch, (a, b, bias, d, aux), scratch.ptr + int(offsets[5])
+    return scratch, (a, b, d, bias, aux), scratch.ptr + int(offsets[5])
+
+
+def _fp8_scratch(spec: Fp8Spec, workspace: int, stream: cp.cuda.Stream):
+    """Scratch buffers for an FP8 problem: P and Q ~ N(0, 1) in FP8 with unit scales (the
+    kernel's scale keeps the product near a layer's), the bias and a DGELU input ~ N(0, 1).
+    Returns (allocation, Plan.run's pointers after the stream, workspace ptr)."""
+    names = (*spec.operands(), *spec.results())
+    dtypes = {"p": spec.p_dtype, "q": spec.q_dtype, "d": spec.d_dtype, "bias": spec.bias_dtype,
+              "dbias": spec.bias_dtype, "aux": spec.aux_dtype or spec.d_dtype}  # fmt: skip
+    counts = spec.elements()
+    sizes = [-(-counts[n] * np.dtype(dtypes.get(n) or "float32").itemsize // 256) * 256 for n in names]
+    offsets = np.cumsum([0, *sizes])
+    scratch = cp.cuda.alloc(int(offsets[-1]) + workspace)
+    ptr = {name: scratch.ptr + int(offset) for name, offset in zip(names, offsets)}
+    with stream:
+        for name in ("p", "q", *(["bias"] if spec.bias_in else []), *(["aux"] if spec.aux_in else [])):
+            fill_normal(scratch + (ptr[name] - scratch.ptr), counts[name], dtypes[name])
+        for name in ("p_scale", "q_scale", "d_scale"):
+            if name in ptr:
+                value = 1 / np.sqrt(spec.k) if name == "q_scale" else 1.0
+                cp.ndarray(1, cp.float32, scratch + (ptr[name] - scratch.ptr)).fill(value)
+    stream.synchronize()
+    ins, outs = spec.operands(), spec.results()
+    pointers = (ptr["q"], ptr["p"], ptr["d"], *(ptr[n] for n in ins[2:]), *(ptr[n] for n in outs[1:]))
+    return scratch, pointers, scratch.ptr + int(offsets[-1])
 
 
 def time_candidates(plan, count: int, workspace: int) -> list[float]:
@@ -102,7 +128,8 @@ def time_candidates(plan, count: int, workspace: int) -> list[float]:
     try:
         with cp.cuda.Device(plan.device_id):
             stream = cp.cuda.Stream(non_blocking=True)
-            scratch, pointers, ws_ptr = _scratch(spec, workspace, stream)
+            make = _fp8_scratch if spec.problem == "fp8" else _scratch
+            scratch, pointers, ws_ptr = make(spec, workspace, stream)
     except cp.cuda.memory.OutOfMemoryError:
         return [0.0] + [float("inf")] * (count - 1)
     # Roughly 1 µs per 2**29 multiply-adds on a Hopper GPU; small problems get more runs.

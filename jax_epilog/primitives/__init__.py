@@ -6,8 +6,9 @@ derivative, DGELU) and ``members`` (an ensemble's forward as one batched GEMM).
 """
 
 from .forward import fused_matmul
+from .fp8_gemm import fp8_matmul
 from .gelu_input_grad import fused_gelu_input_grad
 from .members import members_p
 from .weight_grad import fused_weight_grad
 
-__all__ = ["fused_gelu_input_grad", "fused_matmul", "fused_weight_grad", "members_p"]
+__all__ = ["fp8_matmul", "fused_gelu_input_grad", "fused_matmul", "fused_weight_grad", "members_p"]

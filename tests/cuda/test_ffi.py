@@ -237,8 +237,8 @@ def test_fast_path_plans_once_then_launches_with_xlas_pointers(handler):
     assert frame(handler) is None
     [(spec, device, alignment, plan)] = handler.plans
     assert (spec, device, alignment) == (FORWARD, 0, 256)
-    # run(stream, A = kernel, B = x, bias, D, aux)
-    assert plan.runs == [(_STREAM, 0x20000, 0x10000, 0x30000, 0x40000, 0x50000)] * 2
+    # run(stream, A = kernel, B = x, D, bias, aux)
+    assert plan.runs == [(_STREAM, 0x20000, 0x10000, 0x40000, 0x30000, 0x50000)] * 2
     assert frame.stream_calls == 2 and not frame.errors
     assert handler.api_versions == [(0, 1)]
 
@@ -267,7 +267,7 @@ def test_unknown_key_of_a_batched_forward_decodes_its_members(handler, shared):
     assert [spec.is_shared(o) for o in ("x", "kernel", "bias")] == [
         o in shared.split(",") for o in ("x", "kernel", "bias")
     ]
-    assert plan.runs == [(_STREAM, 0x20000, 0x10000, 0x30000, 0x40000, 0x50000)]
+    assert plan.runs == [(_STREAM, 0x20000, 0x10000, 0x40000, 0x30000, 0x50000)]
 
 
 def test_wgrad_passes_the_second_result_as_the_bias_output(handler):
@@ -275,7 +275,7 @@ def test_wgrad_passes_the_second_result_as_the_bias_output(handler):
     assert frame(handler) is None, frame.errors
     [(spec, _, _, plan)] = handler.plans
     assert spec == WGRAD
-    assert plan.runs == [(_STREAM, 0x20000, 0x10000, 0x60000, 0x40000, 0)]
+    assert plan.runs == [(_STREAM, 0x20000, 0x10000, 0x40000, 0x60000, 0)]
 
 
 def test_dgrad_passes_the_third_operand_as_the_input_aux(handler):
@@ -284,7 +284,7 @@ def test_dgrad_passes_the_third_operand_as_the_input_aux(handler):
     assert frame(handler) is None, frame.errors
     [(spec, _, _, plan)] = handler.plans
     assert spec == DGRAD and spec.bias_dtype is None
-    assert plan.runs == [(_STREAM, 0x20000, 0x10000, 0, 0x40000, 0x30000)]
+    assert plan.runs == [(_STREAM, 0x20000, 0x10000, 0x40000, 0, 0x30000)]
 
 
 def test_failures_are_returned_to_xla_as_errors(handler):

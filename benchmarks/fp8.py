@@ -1,0 +1,205 @@
+"""FP8 against bfloat16 XLA, Flax's FP8 pattern (XLA's rewrite) and nvmath-python.
+
+    python -m benchmarks.fp8 [--quick] [--out DIR]
+
+Rows (medians of interleaved samples in one process; every FP8 time includes quantizing x
+and the kernel and updating the scaling state):
+
+* ``forward``: y = gelu(x @ w + b), 8192x4096->16384.
+* ``mlp``: a GELU block's output and its VJP for a given dy (every gradient, the FP8
+  state's included), 8192x4096->16384->4096 and the mid-size 8192x1024->4096->1024.
+* ``gemm``: 8192^3 E4M3 x E4M3 -> bfloat16 through our custom call (operands already FP8
+  and K-contiguous) against nvmath-python's own FP8 ``Matmul`` (planned, and autotuned).
+
+Flax's pattern is ``nn.Dense(dot_general_cls=flax.linen.fp8_ops.Fp8DotGeneralOp)``; the
+table says whether XLA's compiled program called an FP8 GEMM (``__cublas$lt$matmul$f8``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.timing import FULL, QUICK, EventClock, WallClock, measure_interleaved
+
+BF16 = jnp.bfloat16
+
+
+def _layer(key, k, n):
+    kw, kb = jax.random.split(key)
+    return (jax.random.normal(kw, (k, n), jnp.float32) / np.sqrt(k)).astype(BF16), (
+        0.1 * jax.random.normal(kb, (n,), jnp.float32)
+    ).astype(BF16)
+
+
+def _flax_fp8(widths, activations):
+    import flax.linen as nn
+    from flax.linen import fp8_ops
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for width, act in zip(widths, activations):
+                x = nn.Dense(width, dtype=BF16, param_dtype=BF16, dot_general_cls=fp8_ops.Fp8DotGeneralOp)(x)
+                x = jax.nn.gelu(x, approximate=True) if act == "gelu" else x
+            return x
+
+    return Block()
+
+
+def _plain(x, layers, activations):
+    for (w, b), act in zip(layers, activations):
+        x = x @ w + b
+        x = jax.nn.gelu(x, approximate=True) if act == "gelu" else x
+    return x
+
+
+def _ours(recipe):
+    import jax_epilog as je
+    from jax_epilog import fp8
+
+    def run(x, layers, states, activations):
+        if len(layers) == 1:
+            (w, b), (s,) = layers[0], states
+            y, s = je.fused_dense(x, w, b, activation=activations[0], fp8=s)
+            return y, (s,)
+        return je.fused_mlp(x, list(layers), list(activations), fp8=states)
+
+    return run, lambda n: tuple(fp8.init(recipe) for _ in range(n))
+
+
+def _calls_fp8_gemm(fn, *args) -> bool:
+    return "__cublas$lt$matmul$f8" in jax.jit(fn).lower(*args).compile().as_text()
+
+
+def block_contenders(m, widths, activations, backward: bool):
+    """{name: (jitted fn, args)} for one block; y (and its VJP for a fixed dy)."""
+    from jax_epilog import fp8
+
+    keys = jax.random.split(jax.random.PRNGKey(0), len(widths) + 2)
+    x = jax.random.normal(keys[0], (m, widths[0]), BF16)
+    layers = tuple(_layer(keys[i + 1], widths[i], widths[i + 1]) for i in range(len(widths) - 1))
+    dy = jax.random.normal(keys[-1], (m, widths[-1]), BF16)
+    out = {}
+
+    def with_vjp(f):  # f(x, params) -> y: returns y and every gradient for dy
+        if not backward:
+            return f
+        return lambda x, p: jax.vjp(f, x, p)[1](dy)
+
+    out["xla bf16"] = (jax.jit(with_vjp(lambda x, p: _plain(x, p, activations))), (x, layers))
+    for label, recipe in (
+        ("ours fp8 delayed", fp8.DelayedScaling()),
+        ("ours fp8 current", fp8.CurrentScaling()),
+    ):
+        run, init = _ours(recipe)
+        states = init(len(layers))
+        if backward:
+            f = lambda x, p, run=run: jax.vjp(lambda x, p: run(x, p[0], p[1], activations)[0], x, p)[1](dy)
+        else:
+            f = lambda x, p, run=run: run(x, p[0], p[1], activations)
+        out[label] = (jax.jit(f), (x, (layers, states)))
+    model = _flax_fp8(widths[1:], activations)
+    variables = model.init(keys[-2], x)
+    flax_f = lambda x, v: model.apply(v, x)
+    out["flax fp8 (xla)"] = (jax.jit(with_vjp(flax_f)), (x, variables))
+    return out, _calls_fp8_gemm(flax_f, x, variables)
+
+
+def time_block(name, m, widths, activations, backward, settings):
+    contenders, flax_fp8_gemm = block_contenders(m, widths, activations, backward)
+    names = list(contenders)
+    calls = [(lambda i, f=f, a=a: f(*a), WallClock()) for f, a in (contenders[n] for n in names)]
+    timings = measure_interleaved(calls, settings)
+    us = {n: t.us for n, t in zip(names, timings)}
+    return {"row": name, "us": us, "flax_calls_fp8_gemm": flax_fp8_gemm}
+
+
+def time_gemm(settings, size=8192):
+    """Our custom call on FP8 operands vs nvmath-python's FP8 Matmul (torch tensors)."""
+    import nvmath
+    import torch
+
+    from jax_epilog.primitives.fp8_gemm import fp8_matmul
+
+    e4 = jnp.float8_e4m3fn
+    kp, kq = jax.random.split(jax.random.PRNGKey(3))
+    p = jax.random.normal(kp, (size, size), jnp.float32).astype(e4)
+    q = jax.random.normal(kq, (size, size), jnp.float32).astype(e4)
+    one = jnp.ones((), jnp.float32)
+    ours = jax.jit(
+        lambda p, q, s: fp8_matmul(p, q, s, s, problem="dgrad", epilog="DEFAULT", d_dtype=BF16, amax=False)[0]
+    )
+    a = torch.randn(size, size, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(size, size, device="cuda").to(torch.float8_e4m3fn).T
+    options = {"result_type": nvmath.CudaDataType.CUDA_R_16BF}
+    planned = nvmath.linalg.advanced.Matmul(a, b, quantization_scales={"a": 1.0, "b": 1.0}, options=options)
+    planned.plan()
+    tuned = nvmath.linalg.advanced.Matmul(a, b, quantization_scales={"a": 1.0, "b": 1.0}, options=options)
+    tuned.plan()
+    tuned.autotune(iterations=5)
+    torch_clock = lambda: EventClock(
+        lambda: torch.cuda.Event(enable_timing=True), lambda s, e: s.elapsed_time(e)
+    )
+    calls = [
+        (lambda i: ours(p, q, one), WallClock()),
+        (lambda i: planned.execute(), torch_clock()),
+        (lambda i: tuned.execute(), torch_clock()),
+    ]
+    t = measure_interleaved(calls, settings)
+    names = ("ours fp8 gemm", "nvmath fp8 planned", "nvmath fp8 autotuned")
+    return {"row": f"gemm {size}^3", "us": {n: x.us for n, x in zip(names, t)}}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--only", default=None, help="comma-separated row names")
+    args = parser.parse_args(argv)
+    settings = QUICK if args.quick else FULL
+    rows = []
+    plan = [
+        ("forward 8192x4096->16384 gelu", 8192, (4096, 16384), ("gelu",), False),
+        ("mlp fwd+bwd 8192x4096->16384->4096", 8192, (4096, 16384, 4096), ("gelu", None), True),
+        ("mlp fwd+bwd 8192x1024->4096->1024", 8192, (1024, 4096, 1024), ("gelu", None), True),
+    ]
+    only = None if args.only is None else set(args.only.split(","))
+    for name, m, widths, acts, backward in plan:
+        if only and not any(o in name for o in only):
+            continue
+        start = time.time()
+        rows.append(time_block(name, m, widths, acts, backward, settings))
+        print(_line(rows[-1]), f"({time.time() - start:.0f} s)", flush=True)
+    if not only or "gemm" in only:
+        rows.append(time_gemm(settings))
+        print(_line(rows[-1]), flush=True)
+    device = jax.devices()[0].device_kind
+    print(f"\nFP8 rows on {device}, jax {jax.__version__} (median µs; ratio = baseline / contender):")
+    for row in rows:
+        print(_line(row))
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "fp8.json"), "w") as f:
+            json.dump({"device": device, "jax": jax.__version__, "rows": rows}, f, indent=1)
+
+
+def _line(row) -> str:
+    us = row["us"]
+    base = us.get("xla bf16") or us.get("nvmath fp8 autotuned")
+    parts = [f"{n} {t:.0f}us ({base / t:.2f}x)" for n, t in us.items()]
+    flag = row.get("flax_calls_fp8_gemm")
+    extra = "" if flag is None else f" [flax program calls an FP8 GEMM: {flag}]"
+    return f"{row['row']}: " + ", ".join(parts) + extra
+
+
+if __name__ == "__main__":
+    main()

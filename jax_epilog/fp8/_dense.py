@@ -1,0 +1,137 @@
+"""One dense layer in FP8: E4M3 forward GEMM with the epilog, E5M2 gradients, and the
+scaling state updated alongside (the forward's in the returned state, the gradient's in
+the state's cotangent, Flax's ``_overwrite_with_gradient`` convention)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import _reference
+from .._epilogs import Activation
+from ..primitives.fp8_gemm import fp8_matmul
+from ._quant import Quantized, QuantizedTensor, quantize_tensor
+from ._recipes import E4M3, E5M2, DenseState, next_scale, push_amax
+
+__all__ = ["Layer", "backward", "dense", "epilog_dtypes", "forward", "output_grad"]
+
+
+class Layer(NamedTuple):
+    """The static half of an FP8 layer call."""
+
+    activation: Activation | None
+    out_dtype: str  # y's dtype (x's), or "float8_e4m3fn" for an FP8 output
+    x_dtype: str  # (the gradients' dtypes)
+    kernel_dtype: str
+    bias_dtype: str | None  # None: no bias
+
+    @property
+    def has_bias(self) -> bool:
+        return self.bias_dtype is not None
+
+
+def epilog_dtypes(out_dtype) -> tuple[np.dtype, np.dtype]:
+    """(bias dtype, GELU aux dtype) cuBLASLt takes beside an FP8 GEMM writing ``out_dtype``:
+    float16 beside float16, bfloat16 otherwise."""
+    half = np.dtype("float16") if np.dtype(out_dtype) == np.float16 else np.dtype(jnp.bfloat16)
+    return half, half
+
+
+def _epilog(layer: Layer, with_aux: bool) -> str:
+    bias = "_BIAS" if layer.has_bias else ""
+    if layer.activation is None:
+        return "BIAS" if layer.has_bias else "DEFAULT"
+    aux = "_AUX" if with_aux and layer.activation is Activation.GELU else ""
+    return f"{layer.activation.name}{aux}{bias}"
+
+
+class Forward(NamedTuple):
+    y: jax.Array  # (M, N), in out_dtype
+    aux: jax.Array | None  # GELU's z (M, round_up(N, 8)) when asked for
+    x: QuantizedTensor
+    kernel: QuantizedTensor
+    out_scale: jax.Array
+    state: DenseState  # x, kernel and output updated
+
+
+def forward(x, kernel, bias, state: DenseState, layer: Layer, with_aux: bool) -> Forward:
+    """The layer's forward on 2-D x (or a Quantized x, used as it is)."""
+    if isinstance(x, Quantized):
+        qx = QuantizedTensor(x.data, x.scale, state.x)
+    else:
+        qx = quantize_tensor(x, state.x, E4M3, state)
+    qk = quantize_tensor(kernel, state.kernel, E4M3, state)
+    out_scale = jax.lax.stop_gradient(next_scale(state.output, E4M3, state.recipe))
+    bias_dtype, aux_dtype = epilog_dtypes(layer.out_dtype)
+    operands = [qx.data, qk.data, qx.scale, qk.scale]
+    fp8_out = np.dtype(layer.out_dtype) == E4M3
+    if fp8_out:
+        operands.append(1.0 / out_scale)
+    if layer.has_bias:
+        operands.append(bias.astype(bias_dtype))
+    epilog = _epilog(layer, with_aux)
+    outs = fp8_matmul(
+        *operands, problem="forward", epilog=epilog, d_dtype=layer.out_dtype,
+        aux_dtype=aux_dtype if "AUX" in epilog else None, amax=fp8_out,
+    )  # fmt: skip
+    y, aux = outs[0], (outs[-1] if "AUX" in epilog else None)
+    # cuBLASLt writes the amax of an FP8 output only: a 16-bit output's state stays as it is.
+    output = push_amax(state.output, out_scale, outs[1]) if fp8_out else state.output
+    new = dataclasses.replace(state, x=qx.state, kernel=qk.state, output=output)
+    return Forward(y, aux, qx, qk, out_scale, new)
+
+
+def output_grad(dy, y, aux, layer: Layer) -> jax.Array:
+    """dz = dy * act'(z) in float32: GELU's derivative at the aux, ReLU's where y > 0."""
+    dz = dy.astype(jnp.float32)
+    if layer.activation is Activation.RELU:
+        return jnp.where(y > 0, dz, 0.0)
+    if layer.activation is Activation.GELU:
+        z = aux[:, : dy.shape[1]].astype(jnp.float32)
+        return jax.vjp(lambda v: _reference.activate(v, Activation.GELU), z)[1](dz)[0]
+    return dz
+
+
+def backward(dz, fwd_x: QuantizedTensor, fwd_kernel: QuantizedTensor, state: DenseState, dtypes):
+    """(dx, dkernel, the grad's next TensorScale) from dz (M, N) in float32: one pass
+    quantizes dz to E5M2, then two FP8 GEMMs. ``dtypes``: (x's, kernel's)."""
+    qdz = quantize_tensor(dz, state.grad, E5M2, state)
+    (dx,) = fp8_matmul(
+        qdz.data, fwd_kernel.data, qdz.scale, fwd_kernel.scale, problem="dgrad", epilog="DEFAULT",
+        d_dtype=dtypes[0], amax=False,
+    )  # fmt: skip
+    (dkernel,) = fp8_matmul(
+        fwd_x.data, qdz.data, fwd_x.scale, qdz.scale, problem="wgrad", epilog="DEFAULT",
+        d_dtype=jnp.float32, amax=False,
+    )  # fmt: skip
+    return dx, dkernel.astype(dtypes[1]), qdz.state
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def dense(x, kernel, bias, state: DenseState, layer: Layer):
+    """(y, new state) for 2-D x; differentiable in x, kernel, bias and (as the next state)
+    the state."""
+    fwd = forward(x, kernel, bias, state, layer, with_aux=False)
+    return fwd.y, fwd.state
+
+
+def _dense_fwd(x, kernel, bias, state, layer):
+    fwd = forward(x, kernel, bias, state, layer, with_aux=True)
+    kept = fwd.y if layer.activation is Activation.RELU else None
+    return (fwd.y, fwd.state), (fwd.aux, kept, fwd.x, fwd.kernel, fwd.state)
+
+
+def _dense_bwd(layer, residuals, cotangents):
+    aux, y, qx, qk, new_state = residuals
+    dz = output_grad(cotangents[0], y, aux, layer)
+    dbias = jnp.sum(dz, axis=0).astype(layer.bias_dtype) if layer.has_bias else None
+    dx, dkernel, grad_state = backward(dz, qx, qk, new_state, (layer.x_dtype, layer.kernel_dtype))
+    return dx, dkernel, dbias, dataclasses.replace(new_state, grad=grad_state)
+
+
+dense.defvjp(_dense_fwd, _dense_bwd)

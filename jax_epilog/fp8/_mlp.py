@@ -1,0 +1,103 @@
+"""``fused_mlp`` in FP8: each hidden layer's epilog writes the next GEMM's E4M3 operand.
+
+A hidden layer's GEMM applies bias and activation, scales the result by the output's
+delayed scale and writes it as E4M3 straight into the buffer the next GEMM reads, with the
+amax of what it wrote for the next step's scale, and (GELU) its input z in bfloat16 for the
+backward: no activation or quantize kernel between the GEMMs. In the backward a GELU
+layer's derivative is applied in the next layer's input-gradient GEMM (DGELU epilog,
+reading that aux), and each dz is quantized to E5M2 once for both of its layer's GEMMs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from .._epilogs import Activation
+from ..primitives.fp8_gemm import fp8_matmul
+from ._dense import Forward, Layer, backward, forward, output_grad
+from ._quant import Quantized, quantize_tensor
+from ._recipes import E5M2
+
+__all__ = ["mlp"]
+
+
+class Block(NamedTuple):
+    """The static half of an FP8 ``fused_mlp`` call: one Layer per layer."""
+
+    layers: tuple[Layer, ...]
+
+
+def _run(x, kernels, biases, states, block: Block, with_aux: bool) -> list[Forward]:
+    """Every layer's forward; a hidden layer's output is the next one's Quantized x."""
+    done: list[Forward] = []
+    h = x
+    for kernel, bias, state, layer in zip(kernels, biases, states, block.layers):
+        if done:  # the previous epilog's E4M3 output: this layer's x, with its scale and state
+            prev = done[-1]
+            h = Quantized(prev.y, prev.out_scale)
+            state = dataclasses.replace(state, x=prev.state.output)
+        done.append(forward(h, kernel, bias, state, layer, with_aux))
+    return done
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def mlp(x, kernels, biases, states, block: Block):
+    """(y, new states) for 2-D x."""
+    done = _run(x, kernels, biases, states, block, with_aux=False)
+    return done[-1].y, tuple(f.state for f in done)
+
+
+def _mlp_fwd(x, kernels, biases, states, block):
+    done = _run(x, kernels, biases, states, block, with_aux=True)
+    kept = [f.y if layer.activation is Activation.RELU else None for f, layer in zip(done, block.layers)]
+    residuals = ([f.aux for f in done], kept, [f.x for f in done], [f.kernel for f in done],
+                 [f.state for f in done])  # fmt: skip
+    return (done[-1].y, tuple(f.state for f in done)), residuals
+
+
+def _mlp_bwd(block, residuals, cotangents):
+    auxes, kept, xs, kernels, states = residuals
+    layers = block.layers
+    dz = output_grad(cotangents[0], kept[-1], auxes[-1], layers[-1])
+    grads, new_states = [], list(states)
+    for i in reversed(range(len(layers))):
+        layer, state = layers[i], states[i]
+        dbias = jnp.sum(dz.astype(jnp.float32), axis=0).astype(layer.bias_dtype) if layer.has_bias else None
+        if i == 0:
+            dx, dkernel, grad_state = backward(
+                dz, xs[0], kernels[0], state, (layer.x_dtype, layer.kernel_dtype)
+            )
+        else:
+            dz, dkernel, grad_state = _hidden_backward(dz, i, residuals, block)
+        grads.append((dkernel, dbias))
+        new_states[i] = dataclasses.replace(state, grad=grad_state)
+    dkernels, dbiases = zip(*reversed(grads))
+    return dx, tuple(dkernels), tuple(dbiases), tuple(new_states)
+
+
+def _hidden_backward(dz, i, residuals, block):
+    """Layer i's kernel gradient and the dz of layer i - 1 (GELU's derivative applied in
+    the input-gradient GEMM's epilog)."""
+    auxes, kept, xs, kernels, states = residuals
+    layer, below = block.layers[i], block.layers[i - 1]
+    qdz = quantize_tensor(dz, states[i].grad, E5M2, states[i])
+    (dkernel,) = fp8_matmul(
+        xs[i].data, qdz.data, xs[i].scale, qdz.scale, problem="wgrad", epilog="DEFAULT",
+        d_dtype=jnp.float32, amax=False,
+    )  # fmt: skip
+    operands = [qdz.data, kernels[i].data, qdz.scale, kernels[i].scale]
+    linked = below.activation is Activation.GELU
+    (dh,) = fp8_matmul(
+        *operands, *([auxes[i - 1]] if linked else []), problem="dgrad",
+        epilog="DGELU" if linked else "DEFAULT", d_dtype=layer.x_dtype, amax=False,
+    )  # fmt: skip
+    dz_below = dh.astype(jnp.float32) if linked else output_grad(dh, kept[i - 1], None, below)
+    return dz_below, dkernel.astype(layer.kernel_dtype), qdz.state
+
+
+mlp.defvjp(_mlp_fwd, _mlp_bwd)

@@ -1,0 +1,221 @@
+"""``fp8_matmul_p``: one FP8 GEMM with per-tensor scales, its epilog and the amax of D.
+
+Three problems, each in its operands' natural layouts (the GPU lowering makes the
+K-contiguous copies cuBLASLt needs on Hopper: transposes of FP8 data, one byte an element,
+which XLA fuses into the pass that quantized them where it can):
+
+* ``"forward"``: x (M, K), kernel (K, N), x_scale, kernel_scale[, d_scale][, bias (N,)]
+  -> y = act(x_scale * kernel_scale * x @ kernel + bias) (M, N)[, amax][, aux (M, round_up(N, 8))].
+* ``"dgrad"``: dz (M, N), kernel (K, N), scales[, aux (M, round_up(K, 8))]
+  -> dz @ kernel^T (times GELU's derivative at the aux, epilog ``DGELU``) (M, K)[, amax].
+* ``"wgrad"``: x (M, K), dz (M, N), scales -> x^T @ dz (K, N).
+
+``d_dtype`` FP8: y is written as ``saturate(y * d_scale)``; ``amax``: max|y| before that
+scaling, from the epilog. The CPU lowering (and the GPU's fallback where cuBLASLt refuses)
+is ``reference``: the same arithmetic in float32 (dequantize, GEMM, epilog, quantize).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.interpreters import mlir
+
+from .. import _reference
+from .._epilogs import Activation, aux_columns
+from .._fp8_spec import FP8_DTYPES, FP8_ROW, Fp8Spec
+from .._partition import Layout
+from .._policy import get_policy
+from .._typing import vary_alike
+from .._warnings import warn_once
+from ..cuda import ffi
+from ._base import lower_fused_or_reference, new_primitive, register, symbolic
+
+__all__ = ["fp8_matmul", "fp8_matmul_p", "operand_names", "reference"]
+
+fp8_matmul_p = new_primitive("fp8_matmul")
+
+
+def operand_names(problem: str, epilog: str, d_dtype) -> tuple[str, ...]:
+    first = {"forward": ("x", "kernel"), "dgrad": ("dz", "kernel"), "wgrad": ("x", "dz")}[problem]
+    return (
+        *first, "p_scale", "q_scale",
+        *(["d_scale"] if np.dtype(d_dtype).name in FP8_DTYPES else []),
+        *(["bias"] if problem == "forward" and "BIAS" in epilog else []),
+        *(["aux"] if epilog.startswith("DGELU") else []),
+    )  # fmt: skip
+
+
+def fp8_matmul(*operands, problem: str, epilog: str, d_dtype, aux_dtype=None, amax: bool = True):
+    """Bind the primitive; operands as ``operand_names`` lists them. Returns its results:
+    [d, amax if ``amax``, aux if the epilog writes one]."""
+    aux_dtype = None if aux_dtype is None else np.dtype(aux_dtype)
+    return fp8_matmul_p.bind(
+        *vary_alike(*operands), problem=problem, epilog=epilog, d_dtype=np.dtype(d_dtype),
+        aux_dtype=aux_dtype, amax=bool(amax),
+    )  # fmt: skip
+
+
+def _sizes(problem, a, b):
+    """(M, N, K) of the product, in the layer's terms for the result's shape."""
+    if problem == "forward":
+        return a.shape[0], b.shape[1], a.shape[1]
+    if problem == "dgrad":
+        return a.shape[0], b.shape[0], a.shape[1]
+    return a.shape[1], b.shape[1], a.shape[0]
+
+
+def _results(*avals, problem, epilog, d_dtype, aux_dtype, amax):
+    m, n, _ = _sizes(problem, avals[0], avals[1])
+    out = [((m, n), d_dtype)]
+    if amax:
+        out.append(((), np.dtype(np.float32)))
+    if "AUX" in epilog:
+        out.append(((m, aux_columns(Activation.GELU, n)), aux_dtype))
+    return out
+
+
+def _layout(avals, *, problem, epilog, d_dtype, aux_dtype, amax) -> Layout:
+    names = operand_names(problem, epilog, d_dtype)
+    n = _sizes(problem, avals[0], avals[1])[1]
+    aux_rule = "m n" if n % 8 == 0 else "m a"  # (an aux with padding columns never splits)
+    factors = {"x": "m k", "dz": "m n", "kernel": "k n", "bias": "n", "aux": "m a"}
+    out = {"forward": "m n", "dgrad": "m k", "wgrad": "k n"}[problem]
+    results = [out, *([""] if amax else []), *([aux_rule] if "AUX" in epilog else [])]
+    rule = f"{', '.join(factors.get(name, '') for name in names)} -> {', '.join(results)}"
+    maxed = (1,) if amax else ()
+    if problem == "forward":
+        aux = len(results) - 1 if "AUX" in epilog else None
+        cols_in = {1: 1, **({names.index("bias"): 0} if "bias" in names else {})}
+        cols_out = {0: 1, **({aux: 1} if aux is not None else {})}
+        packed = ((aux, 8 if n % 8 == 0 else 0),) if aux is not None else ()
+        rows = ((0,), (0, *(() if aux is None else (aux,))))
+        return Layout(rows, (), (cols_in, cols_out), rule, whole=("k", "a"), packed=packed, maxed=maxed)
+    if problem == "dgrad":
+        rows = ((0, *((names.index("aux"),) if "aux" in names else ())), (0,))
+        return Layout(rows, (), ({}, {}), rule, whole=("n", "k", "a"), maxed=maxed)
+    return Layout(((0, 1), ()), (0,), ({1: 1}, {0: 1}), rule, whole=("k",), maxed=maxed)
+
+
+def reference(*args, problem, epilog, d_dtype, aux_dtype, amax):
+    """The GPU's arithmetic in float32: dequantized operands, one GEMM, the epilog, then
+    D's scaling and saturating cast."""
+    ops = dict(zip(operand_names(problem, epilog, d_dtype), args))
+    a, b = (v.astype(jnp.float32) for v in args[:2])
+    hi = jax.lax.Precision.HIGHEST
+    if problem == "forward":
+        acc = jnp.matmul(a, b, precision=hi)
+    elif problem == "dgrad":
+        acc = jnp.matmul(a, b.T, precision=hi)
+    else:
+        acc = jnp.matmul(a.T, b, precision=hi)
+    acc = acc * (ops["p_scale"].astype(jnp.float32) * ops["q_scale"].astype(jnp.float32))
+    return _epilog(acc, ops, epilog, d_dtype, aux_dtype, amax)
+
+
+def _epilog(acc, ops, epilog, d_dtype, aux_dtype, amax):
+    """cuBLASLt's epilog on the scaled float32 product ``acc``, in float32."""
+    f32 = lambda v: v.astype(jnp.float32)
+    if "aux" in ops:  # DGELU: times GELU's derivative at the previous layer's z
+        z = f32(ops["aux"][:, : acc.shape[1]])
+        y = acc * jax.grad(lambda v: jnp.sum(_reference.activate(v, Activation.GELU)))(z)
+    else:
+        z = acc + f32(ops["bias"]) if "bias" in ops else acc
+        activation = next((act for act in Activation if epilog.startswith(act.name)), None)
+        y = _reference.activate(z, activation)
+    d_dtype = np.dtype(d_dtype)
+    if d_dtype.name in FP8_DTYPES:
+        limit = np.float32(float(jnp.finfo(d_dtype).max))
+        d = jnp.clip(y * f32(ops["d_scale"]), -limit, limit).astype(d_dtype)
+    else:
+        d = y.astype(d_dtype)
+    out = [d]
+    if amax:
+        out.append(jnp.max(jnp.abs(y)))
+    if "AUX" in epilog:
+        width = aux_columns(Activation.GELU, z.shape[1])
+        out.append(jnp.pad(z, ((0, 0), (0, width - z.shape[1]))).astype(aux_dtype))
+    return out
+
+
+def _round(size: int) -> int:
+    return -(-size // FP8_ROW) * FP8_ROW
+
+
+def _pad(value, *sizes):
+    widths = [(0, want - have) for have, want in zip(value.shape, sizes, strict=True)]
+    return jnp.pad(value, widths) if any(w for _, w in widths) else value
+
+
+def _spec(avals, problem, epilog, d_dtype, aux_dtype, amax) -> Fp8Spec | None:
+    """The padded problem (K and N multiples of 16; for ``wgrad`` K is the layer's rows), or
+    None where XLA computes it: symbolic or empty sizes."""
+    if symbolic(*avals) or 0 in avals[0].shape + avals[1].shape:
+        return None
+    m, n, k = (int(s) for s in _sizes(problem, avals[0], avals[1]))
+    names = operand_names(problem, epilog, d_dtype)
+    bias = np.dtype(avals[names.index("bias")].dtype).name if "bias" in names else None
+    aux = np.dtype(aux_dtype).name if aux_dtype is not None else None
+    if "aux" in names:
+        aux = np.dtype(avals[names.index("aux")].dtype).name
+    return Fp8Spec(
+        m=m, n=_round(n), k=_round(k), epilog=epilog, p_dtype=np.dtype(avals[0].dtype).name,
+        q_dtype=np.dtype(avals[1].dtype).name, d_dtype=np.dtype(d_dtype).name, bias_dtype=bias,
+        aux_dtype=aux, amax=int(amax), fast_accum=int(problem in get_policy().fp8_fast_accum),
+    )  # fmt: skip
+
+
+def _cuda(ctx, *args, problem, epilog, d_dtype, aux_dtype, amax):
+    """cuBLASLt's FP8 GEMM with its epilog; where cuBLASLt refuses the epilog but runs the
+    plain FP8 GEMM, that GEMM (float32 D) and the epilog in XLA, with one warning; else the
+    emulation."""
+    params = {"problem": problem, "epilog": epilog, "d_dtype": d_dtype, "aux_dtype": aux_dtype, "amax": amax}
+    names = operand_names(problem, epilog, d_dtype)
+    spec = _spec(ctx.avals_in, **params)
+    if spec is not None and spec.epilog != "DEFAULT" and (refusal := ffi.prepare(spec)) is not None:
+        plain = spec._replace(epilog="DEFAULT", d_dtype="float32", bias_dtype=None, aux_dtype=None, amax=0)
+        if ffi.prepare(plain) is None:
+            warn_once(f"{refusal}; its epilog runs in XLA after cuBLASLt's FP8 GEMM")
+
+            def split(*values):
+                ops = dict(zip(names, values))
+                (acc,) = _gemm(problem, ops, plain, [jax.ShapeDtypeStruct((plain.m, plain.n), np.float32)])
+                acc = acc[: ctx.avals_out[0].shape[0], : ctx.avals_out[0].shape[1]]
+                return _epilog(acc, ops, epilog, d_dtype, aux_dtype, amax)
+
+            return mlir.lower_fun(split, multiple_results=True)(ctx, *args)
+
+    def fused(*values):
+        ops = dict(zip(names, values))
+        results = [jax.ShapeDtypeStruct((spec.m, spec.n), d_dtype)]
+        if amax:
+            results.append(jax.ShapeDtypeStruct((), np.float32))
+        if spec.aux_out:
+            results.append(jax.ShapeDtypeStruct((spec.m, spec.aux_ld), aux_dtype))
+        outs = _gemm(problem, ops, spec, results)
+        wanted = [a.shape for a in ctx.avals_out]
+        return [o[tuple(slice(0, s) for s in shape)] if o.ndim else o for o, shape in zip(outs, wanted)]
+
+    return lower_fused_or_reference(ctx, args, params, spec, fused, reference)
+
+
+def _gemm(problem, ops, spec: Fp8Spec, results):
+    """The custom call for ``spec`` on the operands by name, padded and K-contiguous."""
+    p, q = _gpu_operands(problem, ops, spec)
+    names = (*spec.operands()[2:],)
+    padded = {"bias": lambda v: _pad(v, spec.n), "aux": lambda v: _pad(v, spec.m, spec.aux_ld)}
+    rest = [padded.get(name, lambda v: v)(ops[name]) for name in names]
+    return ffi.call((p, q, *rest), results, spec)
+
+
+def _gpu_operands(problem, ops, spec: Fp8Spec):
+    """P (M, K) and Q (N, K), K-contiguous, padded to the spec's sizes."""
+    if problem == "forward":
+        return _pad(ops["x"], spec.m, spec.k), _pad(ops["kernel"].T, spec.n, spec.k)
+    if problem == "dgrad":
+        return _pad(ops["dz"], spec.m, spec.k), _pad(ops["kernel"], spec.n, spec.k)
+    return _pad(ops["x"].T, spec.m, spec.k), _pad(ops["dz"].T, spec.n, spec.k)
+
+
+register(fp8_matmul_p, results=_results, layout=_layout, reference=reference, cuda=_cuda, batch=None)

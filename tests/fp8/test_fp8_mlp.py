@@ -1,0 +1,71 @@
+"""``fused_mlp(..., fp8=states)``: the chain equals its layers run one by one with an FP8
+output between them, gradients follow float32, every state updates."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_epilog as je
+from jax_epilog import fp8
+
+
+def _block(rng, m=53, widths=(40, 72, 24)):
+    x = jnp.asarray(rng.standard_normal((m, widths[0])), jnp.bfloat16)
+    layers = [
+        (jnp.asarray(rng.standard_normal((a, b)) / np.sqrt(a), jnp.bfloat16),
+         jnp.asarray(rng.standard_normal(b) * 0.3, jnp.bfloat16))
+        for a, b in itertools.pairwise(widths)
+    ]  # fmt: skip
+    return x, layers
+
+
+def _states(n, recipe=None):
+    return tuple(fp8.init(recipe or fp8.DelayedScaling(history_length=3)) for _ in range(n))
+
+
+@pytest.mark.parametrize("hidden", ["gelu", "relu", None])
+def test_chain_equals_layers_with_an_fp8_output_between(rng, hidden):
+    x, layers = _block(rng)
+    states = jax.jit(lambda x, s: je.fused_mlp(x, layers, [hidden, None], fp8=s)[1])(x, _states(2))
+    y, new = jax.jit(lambda x, s: je.fused_mlp(x, layers, [hidden, None], fp8=s))(x, states)
+    (w1, b1), (w2, b2) = layers
+    h, s1 = je.fused_dense(x, w1, b1, activation=hidden, fp8=states[0], fp8_output=True)
+    y2, _s2 = je.fused_dense(h, w2, b2, fp8=states[1])
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(y2, np.float32))
+    np.testing.assert_array_equal(np.asarray(new[0].output.amax_history), np.asarray(s1.output.amax_history))
+    # The second layer's x is the first layer's output: one state, one history.
+    np.testing.assert_array_equal(np.asarray(new[1].x.amax_history), np.asarray(new[0].output.amax_history))
+
+
+def test_gradients_follow_float32_and_update_every_grad_scale(rng):
+    x, layers = _block(rng, m=3 * 21)
+    x = x.reshape(3, 21, -1)
+    loss = lambda x, p, s: jnp.sum(je.fused_mlp(x, p, ["gelu", None], fp8=s)[0].astype(jnp.float32) ** 2)
+    states = jax.grad(loss, argnums=2)(x, layers, _states(2))
+    gx, gp, gs = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, layers, states)
+
+    def exact(x, p):
+        h = x.astype(jnp.float32)
+        for (w, b), act in zip(p, ["gelu", None]):
+            h = h @ w.astype(jnp.float32) + b.astype(jnp.float32)
+            h = jax.nn.gelu(h, approximate=True) if act else h
+        return jnp.sum(h**2)
+
+    want = jax.grad(exact, argnums=(0, 1))(x, layers)
+    for got, ref in zip(jax.tree.leaves((gx, gp)), jax.tree.leaves(want)):
+        assert got.dtype == jnp.bfloat16 and got.shape == ref.shape
+        assert np.linalg.norm(np.asarray(got, np.float32) - np.asarray(ref)) <= 0.1 * np.linalg.norm(
+            np.asarray(ref)
+        )
+    assert all(float(s.grad.amax_history[0]) > 0 for s in gs)
+
+
+def test_bad_states_raise(rng):
+    x, layers = _block(rng)
+    with pytest.raises(TypeError, match="one jax_epilog.fp8.DenseState per layer \\(2\\)"):
+        je.fused_mlp(x, layers, ["gelu", None], fp8=_states(1))
+    with pytest.raises(TypeError, match="fp8\\[1\\] must be"):
+        je.fused_mlp(x, layers, ["gelu", None], fp8=(fp8.init(), "x"))

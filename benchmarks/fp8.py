@@ -11,8 +11,10 @@ and the kernel and updating the scaling state):
 * ``gemm``: 8192^3 E4M3 x E4M3 -> bfloat16 through our custom call (operands already FP8
   and K-contiguous) against nvmath-python's own FP8 ``Matmul`` (planned, and autotuned).
 
-Flax's pattern is ``nn.Dense(dot_general_cls=flax.linen.fp8_ops.Fp8DotGeneralOp)``; the
-table says whether XLA's compiled program called an FP8 GEMM (``__cublas$lt$matmul$f8``).
+Flax's FP8 is ``nn.Dense(dot_general_cls=...)`` with ``flax.linen.fp8_ops``'
+``Fp8DotGeneralOp`` (the quantize-dequantize pattern that XLA rewrites) and
+``Fp8DirectDotGeneralOp`` (FP8 operands handed to XLA's dot); the table says whether each
+compiled program called an FP8 GEMM (``__cublas$lt$matmul$f8``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import argparse
 import json
 import os
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -38,15 +41,17 @@ def _layer(key, k, n):
     ).astype(BF16)
 
 
-def _flax_fp8(widths, activations):
+def _flax_fp8(widths, activations, op: str):
     import flax.linen as nn
     from flax.linen import fp8_ops
+
+    dot = getattr(fp8_ops, op)
 
     class Block(nn.Module):
         @nn.compact
         def __call__(self, x):
             for width, act in zip(widths, activations):
-                x = nn.Dense(width, dtype=BF16, param_dtype=BF16, dot_general_cls=fp8_ops.Fp8DotGeneralOp)(x)
+                x = nn.Dense(width, dtype=BF16, param_dtype=BF16, dot_general_cls=dot)(x)
                 x = jax.nn.gelu(x, approximate=True) if act == "gelu" else x
             return x
 
@@ -105,11 +110,19 @@ def block_contenders(m, widths, activations, backward: bool):
         else:
             f = lambda x, p, run=run: run(x, p[0], p[1], activations)
         out[label] = (jax.jit(f), (x, (layers, states)))
-    model = _flax_fp8(widths[1:], activations)
-    variables = model.init(keys[-2], x)
-    flax_f = lambda x, v: model.apply(v, x)
-    out["flax fp8 (xla)"] = (jax.jit(with_vjp(flax_f)), (x, variables))
-    return out, _calls_fp8_gemm(flax_f, x, variables)
+    calls_fp8 = {}
+    for label, op in (
+        ("flax fp8 qdq (xla)", "Fp8DotGeneralOp"),
+        ("flax fp8 direct (xla)", "Fp8DirectDotGeneralOp"),
+    ):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # (Fp8DotGeneralOp: the pattern)
+            model = _flax_fp8(widths[1:], activations, op)
+            variables = model.init(keys[-2], x)
+        flax_f = lambda x, v, model=model: model.apply(v, x)
+        out[label] = (jax.jit(with_vjp(flax_f)), (x, variables))
+        calls_fp8[label] = _calls_fp8_gemm(flax_f, x, variables)
+    return out, calls_fp8
 
 
 def time_block(name, m, widths, activations, backward, settings):
@@ -197,7 +210,7 @@ def _line(row) -> str:
     base = us.get("xla bf16") or us.get("nvmath fp8 autotuned")
     parts = [f"{n} {t:.0f}us ({base / t:.2f}x)" for n, t in us.items()]
     flag = row.get("flax_calls_fp8_gemm")
-    extra = "" if flag is None else f" [flax program calls an FP8 GEMM: {flag}]"
+    extra = "" if flag is None else f" [XLA program calls an FP8 GEMM: {flag}]"
     return f"{row['row']}: " + ", ".join(parts) + extra
 
 

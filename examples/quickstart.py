@@ -39,7 +39,9 @@ def median_us(functions, *args, repeats=7, iters=50, warmup=200) -> list[float]:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--activation", choices=("relu", "gelu"), default="relu")
     parser.add_argument("--batch", type=int, default=256)
     args = parser.parse_args(argv)
@@ -50,10 +52,14 @@ def main(argv=None) -> None:
     b = jnp.asarray(rng.standard_normal(100), jnp.float32)
 
     fused = jax.jit(
-        partial(fused_dense, activation=args.activation, compute_type="COMPUTE_32F", implementation="cublaslt")
+        partial(
+            fused_dense, activation=args.activation, compute_type="COMPUTE_32F", implementation="cublaslt"
+        )
     )
     act = jax.nn.relu if args.activation == "relu" else partial(jax.nn.gelu, approximate=True)
-    unfused = jax.jit(lambda x, w, b: act(jnp.dot(x, w, preferred_element_type=jnp.float32) + b).astype(x.dtype))
+    unfused = jax.jit(
+        lambda x, w, b: act(jnp.dot(x, w, preferred_element_type=jnp.float32) + b).astype(x.dtype)
+    )
 
     y = fused(x, w, b)
     z = np.asarray(x, np.float64) @ np.asarray(w, np.float64) + np.asarray(b, np.float64)
@@ -61,11 +67,17 @@ def main(argv=None) -> None:
     err = float(np.max(np.abs(np.asarray(y, np.float64) - ref)))
     device = jax.devices()[0]
     print(f"device: {device.device_kind} ({device.platform})")
-    print(f"y = {args.activation}(x @ W + b): x {x.shape} {x.dtype}, W {w.shape}, b {b.dtype} -> y {y.shape} {y.dtype}")
-    print(f"max |y - float64 reference| = {err:.2e} (float16 output, ulp at 1.0 = {np.finfo(np.float16).eps:.1e})")
+    print(
+        f"y = {args.activation}(x @ W + b): x {x.shape} {x.dtype}, W {w.shape}, b {b.dtype} -> y {y.shape} {y.dtype}"
+    )
+    print(
+        f"max |y - float64 reference| = {err:.2e} (float16 output, ulp at 1.0 = {np.finfo(np.float16).eps:.1e})"
+    )
     if device.platform == "gpu":
         t_fused, t_unfused = median_us([fused, unfused], x, w, b)
-        print(f"fused_dense {t_fused:.1f} µs/call, XLA unfused {t_unfused:.1f} µs/call (jitted calls, median, timed in turns)")
+        print(
+            f"fused_dense {t_fused:.1f} µs/call, XLA unfused {t_unfused:.1f} µs/call (jitted calls, median, timed in turns)"
+        )
         print("(a call this small is bound by the host's dispatch either way; fusion pays on large GELU")
         print(" layers and in multi-layer jits: README.md, 'Performance')")
 

@@ -12,6 +12,14 @@ same batches; the script reports each one's loss and the median step time (measu
 
     python examples/train_transformer_mlp.py                 # small: a CPU, under a minute
     python examples/train_transformer_mlp.py --size large    # d_model 1024, 4 blocks, 8192 tokens/step
+    python examples/train_transformer_mlp.py --size large --fp8   # + FP8: ours and Flax's
+
+``--fp8`` trains four models step by step in turn (interleaved, with a progress bar):
+``nn.Dense`` and ``FusedMLP`` in bfloat16, ``FusedMLP(fp8=DelayedScaling())`` and
+``nn.Dense(dot_general_cls=Fp8DirectDotGeneralOp)`` (Flax's FP8), and draws their loss
+curves into one PNG (``--plot``). Their FP8 scaling state lives in Flax's
+``_overwrite_with_gradient`` collection; the train step overwrites it with its gradient,
+as Flax's ``TrainState`` does. On a CPU the FP8 layers run emulated: no FP8 kernel runs.
 
 Needs the examples' extra: pip install -e ".[examples]".
 """
@@ -28,8 +36,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
+from flax.linen import fp8_ops
 
-from jax_epilog.linen import FusedDense, FusedMLP
+from jax_epilog import fp8
+from jax_epilog.linen import OVERWRITE_WITH_GRADIENT, FusedDense, FusedMLP
 
 SIZES = {
     # d_model, blocks, batch, seq (tokens per step = batch * seq), default steps
@@ -37,6 +47,9 @@ SIZES = {
     "large": {"d_model": 1024, "blocks": 4, "batch": 8, "seq": 1024, "steps": 50},
 }
 LAYERS = {"mlp": "FusedMLP", "fused": "FusedDense", "dense": "nn.Dense"}
+# --fp8: the bfloat16 pair and the FP8 pair, trained in turn.
+FP8_LAYERS = {"dense": "nn.Dense", "mlp": "FusedMLP", "mlp_fp8": "FusedMLP FP8", "flax_fp8": "Flax FP8"}
+NAMES = LAYERS | FP8_LAYERS
 
 
 class MLPBlock(nn.Module):
@@ -50,18 +63,21 @@ class MLPBlock(nn.Module):
     @nn.compact
     def __call__(self, x):
         h = nn.LayerNorm(dtype=self.dtype, name="ln")(x)
-        if self.layers == "mlp":  # the same parameters as "fused", under the same names
+        if self.layers in ("mlp", "mlp_fp8"):  # the same parameters as "fused", under the same names
+            recipe = fp8.DelayedScaling() if self.layers == "mlp_fp8" else None
             h = FusedMLP(
                 (4 * self.d_model, self.d_model), ("gelu", None), layer_names=("fc_in", "fc_out"),
-                dtype=self.dtype, implementation=self.implementation, name="mlp",
+                dtype=self.dtype, implementation=self.implementation, fp8=recipe, name="mlp",
             )(h)  # fmt: skip
         elif self.layers == "fused":
             dense = functools.partial(FusedDense, dtype=self.dtype, implementation=self.implementation)
             h = dense(4 * self.d_model, activation="gelu", name="fc_in")(h)
             h = dense(self.d_model, name="fc_out")(h)
-        else:
-            h = jax.nn.gelu(nn.Dense(4 * self.d_model, dtype=self.dtype, name="fc_in")(h), approximate=True)
-            h = nn.Dense(self.d_model, dtype=self.dtype, name="fc_out")(h)
+        else:  # "dense", or "flax_fp8": Flax's FP8 dot
+            dot = fp8_ops.Fp8DirectDotGeneralOp if self.layers == "flax_fp8" else None
+            dense = functools.partial(nn.Dense, dtype=self.dtype, dot_general_cls=dot)
+            h = jax.nn.gelu(dense(4 * self.d_model, name="fc_in")(h), approximate=True)
+            h = dense(self.d_model, name="fc_out")(h)
         return x + h.astype(x.dtype)  # float32 residual stream
 
 
@@ -128,9 +144,14 @@ def parse_args(argv=None):
     )
     parser.add_argument(
         "--layers",
-        choices=["all", *LAYERS],
+        choices=["all", *NAMES],
         default="all",
-        help="train FusedMLP, FusedDense, nn.Dense or all three (default all)",
+        help="train one model, or all (default: FusedMLP, FusedDense and nn.Dense; with --fp8 "
+        "nn.Dense, FusedMLP, FusedMLP FP8 and Flax FP8)",
+    )
+    parser.add_argument("--fp8", action="store_true", help="the FP8 comparison (see above)")
+    parser.add_argument(
+        "--plot", default="train_transformer_mlp_fp8.png", help="--fp8's loss curves (PNG; '' for none)"
     )
     args = parser.parse_args(argv)
     for name, value in SIZES[args.size].items():
@@ -157,21 +178,26 @@ def setup(args, layers: str):
 
     tx = optax.adam(args.lr)
 
-    def loss_fn(params, x, y):
-        return jnp.mean((model.apply(params, x) - y) ** 2)
+    def loss_fn(variables, x, y):
+        return jnp.mean((model.apply(variables, x) - y) ** 2)
 
     @jax.jit
-    def train_step(params, opt_state, x, y):
-        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+    def train_step(variables, opt_state, x, y):
+        loss, grads = jax.value_and_grad(loss_fn)(variables, x, y)
+        updates, opt_state = tx.update(grads["params"], opt_state, variables["params"])
+        new = {"params": optax.apply_updates(variables["params"], updates)}
+        if OVERWRITE_WITH_GRADIENT in grads:  # FP8 state: its gradient is its next value
+            new[OVERWRITE_WITH_GRADIENT] = grads[OVERWRITE_WITH_GRADIENT]
+        return new, opt_state, loss
 
     # Every model starts from the same values: FusedMLP's are FusedDense's, nested.
-    init_model = model if layers != "mlp" else model.clone(layers="fused")
-    params = init_model.init(init_key, jnp.zeros((1, 1, args.d_model), jnp.float32))
-    if layers == "mlp":
-        params = nest_mlp_params(params)
-    return train_step, params, tx.init(params), batch
+    sample = jnp.zeros((1, 1, args.d_model), jnp.float32)
+    base = model.clone(layers="fused" if layers in ("mlp", "mlp_fp8") else "dense").init(init_key, sample)
+    variables = nest_mlp_params(base) if layers in ("mlp", "mlp_fp8") else base
+    if layers in ("mlp_fp8", "flax_fp8"):  # the same parameters, and a fresh FP8 state
+        state = model.init(init_key, sample)[OVERWRITE_WITH_GRADIENT]
+        variables = {"params": variables["params"], OVERWRITE_WITH_GRADIENT: state}
+    return train_step, variables, tx.init(variables["params"]), batch
 
 
 def train(args, layers: str, prepared=None) -> dict:
@@ -189,7 +215,7 @@ def train(args, layers: str, prepared=None) -> dict:
     step_s = statistics.median(times[args.warmup :])
     tokens = args.batch * args.seq
     return {
-        "layer": LAYERS[layers],
+        "layer": NAMES[layers],
         "losses": losses,
         "step_ms": 1e3 * step_s,
         "tokens_per_s": tokens / step_s,
@@ -197,10 +223,54 @@ def train(args, layers: str, prepared=None) -> dict:
     }
 
 
+def train_in_turn(args, keys, prepared=None) -> dict:
+    """Trains the models ``keys`` step by step in turn (each step of every model before the
+    next step of any: the GPU's drift touches them alike), with a progress bar."""
+    from tqdm import tqdm
+
+    prepared = prepared or {}
+    runs = {key: list(prepared.get(key) or setup(args, key)) for key in keys}
+    losses, times = {key: [] for key in keys}, {key: [] for key in keys}
+    for step in tqdm(range(args.steps), desc="training in turn", unit="step"):
+        for key, run in runs.items():
+            train_step, variables, opt_state, batch = run
+            x, y = jax.block_until_ready(batch(step))
+            start = time.perf_counter()
+            variables, opt_state, loss = jax.block_until_ready(train_step(variables, opt_state, x, y))
+            times[key].append(time.perf_counter() - start)
+            losses[key].append(float(loss))
+            run[1], run[2] = variables, opt_state
+    out = {}
+    for key in keys:
+        step_s = statistics.median(times[key][args.warmup :])
+        out[key] = {
+            "layer": NAMES[key], "losses": losses[key], "step_ms": 1e3 * step_s,
+            "tokens_per_s": args.batch * args.seq / step_s, "compile_s": times[key][0],
+        }  # fmt: skip
+    return out
+
+
+def plot_losses(results: dict, keys, path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for key in keys:
+        r = results[key]
+        ax.plot(r["losses"], label=f"{r['layer']} ({r['tokens_per_s']:,.0f} tokens/s)")
+    ax.set(xlabel="step", ylabel="loss (MSE)", yscale="log", title=title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"loss curves: {path}")
+
+
 def main(argv=None, prepared=None) -> dict:
-    """Trains the selected models; returns {"config": ..., "mlp": ..., "fused": ..., "dense": ...}
-    (the models trained) and, on a GPU, "speedup": {"mlp": ..., "fused": ...} over nn.Dense.
-    ``prepared``: {key of LAYERS: ``setup(args, key)``} for models already set up."""
+    """Trains the selected models; returns {"config": ..., key: {...} per model trained} and,
+    on a GPU, "speedup": {key: ...} over nn.Dense. ``prepared``: {key: ``setup(args, key)``}
+    for models already set up."""
     args = parse_args(argv)
     tokens = args.batch * args.seq
     device = jax.devices()[0]
@@ -209,29 +279,37 @@ def main(argv=None, prepared=None) -> dict:
         f"{tokens} tokens/step ({args.batch}x{args.seq}), bfloat16 compute, float32 params, "
         f"{args.steps} steps (median of the last {args.steps - args.warmup})"
     )
-    keys = ("size", "d_model", "blocks", "batch", "seq", "steps", "implementation")
+    keys = ("size", "d_model", "blocks", "batch", "seq", "steps", "implementation", "fp8")
     results = {"config": {k: getattr(args, k) for k in keys}}
-    for key in LAYERS:
-        if args.layers in ("all", key):
+    table = FP8_LAYERS if args.fp8 else LAYERS
+    chosen = [key for key in table if args.layers in ("all", key)]
+    if args.fp8:
+        results |= train_in_turn(args, chosen, prepared)
+    else:
+        for key in chosen:
             results[key] = train(args, key, (prepared or {}).get(key))
 
-    print(f"{'layer':<12}{'first loss':>12}{'final loss':>12}{'step (median)':>16}{'tokens/s':>14}")
-    for key in LAYERS:
-        if key in results:
-            r = results[key]
-            print(
-                f"{r['layer']:<12}{r['losses'][0]:>12.4f}{r['losses'][-1]:>12.4f}"
-                f"{r['step_ms']:>13.2f} ms{r['tokens_per_s']:>14,.0f}"
-            )
+    print(f"{'layer':<14}{'first loss':>12}{'final loss':>12}{'step (median)':>16}{'tokens/s':>14}")
+    for key in chosen:
+        r = results[key]
+        print(
+            f"{r['layer']:<14}{r['losses'][0]:>12.4f}{r['losses'][-1]:>12.4f}"
+            f"{r['step_ms']:>13.2f} ms{r['tokens_per_s']:>14,.0f}"
+        )
+    if args.fp8 and args.plot:
+        plot_losses(results, chosen, args.plot, f"{args.size}: d_model {args.d_model}, {device.device_kind}")
     if device.platform != "gpu":
-        print("No cuBLASLt kernel ran: on a CPU every layer runs its XLA path, so no speed-up is shown.")
+        fp8_note = " (the FP8 layers emulated: no FP8 kernel ran)" if args.fp8 else ""
+        print(
+            f"No cuBLASLt kernel ran: on a CPU every layer runs its XLA path{fp8_note}, so no speed-up is shown."
+        )
     elif "dense" in results:
         results["speedup"] = {}
-        for key in ("mlp", "fused"):
-            if key in results:
+        for key in chosen:
+            if key != "dense":
                 speedup = results["dense"]["step_ms"] / results[key]["step_ms"]
                 results["speedup"][key] = speedup
-                print(f"{LAYERS[key]} step time speed-up over nn.Dense: {speedup:.2f}x")
+                print(f"{NAMES[key]} step time speed-up over nn.Dense: {speedup:.2f}x")
     return results
 
 

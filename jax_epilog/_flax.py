@@ -1,4 +1,5 @@
-"""Helpers the Flax layers share (Linen and NNX): precision, and constructor checks.
+"""Helpers the Flax layers share (Linen and NNX): precision, constructor checks, and the
+FP8 state as Flax's own FP8 layers name and shape it.
 
 No Flax import here: ``linen.py`` and ``nnx.py`` each import their own Flax API.
 """
@@ -8,12 +9,18 @@ from __future__ import annotations
 import enum
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ._checks import check_activation, check_implementation
 from ._epilogs import ComputeType
+from .fp8._recipes import CurrentScaling, DelayedScaling, DenseState, TensorScale
 
-__all__ = ["check_layer_options", "resolve_compute_type"]
+__all__ = ["FP8_TENSORS", "check_fp8_recipe", "check_layer_options", "fp8_state", "resolve_compute_type"]
+
+# (DenseState field, the variables' name prefix): Flax's fp8_ops names for x, the kernel and
+# the output gradient, and one more for the output (the scale of an FP8 output).
+FP8_TENSORS = (("x", "input"), ("kernel", "kernel"), ("output", "output"), ("grad", "output_grad"))
 
 
 # Compute types below what each precision asks for. HIGH is also spelled "tensorfloat32" in
@@ -86,3 +93,24 @@ def check_layer_options(activation, implementation, owner: str) -> None:
     """Check a layer's activation and implementation when it is built, not first called."""
     check_activation(activation, owner)
     check_implementation(implementation, ComputeType.COMPUTE_32F, False, owner)
+
+
+def check_fp8_recipe(recipe, owner: str) -> None:
+    if recipe is not None and not isinstance(recipe, DelayedScaling | CurrentScaling):
+        raise TypeError(
+            f"{owner}: fp8={recipe!r}; allowed: None, jax_epilog.fp8.DelayedScaling(...), "
+            "jax_epilog.fp8.CurrentScaling(...)."
+        )
+
+
+def fp8_state(variable, recipe) -> DenseState:
+    """A layer's ``DenseState`` from its variables: ``variable(name, init, shape)`` returns
+    the value of the float32 variable ``name`` (made with ``init(shape, float32)`` the first
+    time). As Flax's ``fp8_ops``: ``<tensor>_scale`` of shape (1,), ones, and
+    ``<tensor>_amax_history`` of shape (history_length,), zeros."""
+    tensors = {}
+    for field, name in FP8_TENSORS:
+        scale = variable(f"{name}_scale", jnp.ones, (1,))
+        history = variable(f"{name}_amax_history", jnp.zeros, (recipe.history_length,))
+        tensors[field] = TensorScale(scale.reshape(()), history)
+    return DenseState(**tensors, recipe=recipe)

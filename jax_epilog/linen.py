@@ -93,10 +93,20 @@ import jax.numpy as jnp
 
 from ._dense import fused_dense
 from ._epilogs import Activation
-from ._flax import check_layer_options, resolve_compute_type
+from ._flax import check_fp8_recipe, check_layer_options, fp8_state, resolve_compute_type
 from ._mlp import fused_mlp
 
-__all__ = ["FusedDense", "FusedMLP"]
+__all__ = ["OVERWRITE_WITH_GRADIENT", "FusedDense", "FusedMLP"]
+
+# Flax's collection for FP8 scaling state, whose gradient is its next value.
+OVERWRITE_WITH_GRADIENT = "_overwrite_with_gradient"
+
+
+def _fp8_state(module: nn.Module, recipe):
+    def variable(name, init, shape):
+        return module.variable(OVERWRITE_WITH_GRADIENT, name, init, shape, jnp.float32).value
+
+    return fp8_state(variable, recipe)
 
 
 class FusedDense(nn.Module):
@@ -121,6 +131,8 @@ class FusedDense(nn.Module):
         ``COMPUTE_64F`` for float64).
       implementation: ``"auto"``, ``"cublaslt"`` or ``"xla"``, as for ``fused_dense``
         (``"auto"``: the fused kernel where it measured faster, XLA elsewhere).
+      fp8: None, or a ``jax_epilog.fp8`` recipe: the GEMMs in FP8, the scaling state in the
+        ``_overwrite_with_gradient`` collection under Flax's ``fp8_ops`` names.
     """
 
     features: int
@@ -134,9 +146,11 @@ class FusedDense(nn.Module):
     activation: str | Activation | None = None
     compute_type: Any = None
     implementation: str = "auto"
+    fp8: Any = None
 
     def __post_init__(self):
         check_layer_options(self.activation, self.implementation, "FusedDense")
+        check_fp8_recipe(self.fp8, "FusedDense")
         super().__post_init__()
 
     @nn.compact
@@ -150,6 +164,9 @@ class FusedDense(nn.Module):
         )
         inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
         compute_type = resolve_compute_type(self.precision, self.compute_type, inputs.dtype, "FusedDense")
+        if self.fp8 is not None:
+            state = _fp8_state(self, self.fp8)
+            return fused_dense(inputs, kernel, bias, activation=self.activation, fp8=state)[0]
         return fused_dense(
             inputs, kernel, bias, activation=self.activation, compute_type=compute_type,
             implementation=self.implementation,
@@ -164,6 +181,7 @@ class _DenseParams(nn.Module):
     param_dtype: Any
     kernel_init: Any
     bias_init: Any
+    fp8: Any = None
 
     @nn.compact
     def __call__(self, in_features: int):
@@ -171,7 +189,7 @@ class _DenseParams(nn.Module):
         bias = (
             self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
         )
-        return kernel, bias
+        return kernel, bias, (None if self.fp8 is None else _fp8_state(self, self.fp8))
 
 
 class FusedMLP(nn.Module):
@@ -185,7 +203,8 @@ class FusedMLP(nn.Module):
         ``layers_0, layers_1, ...``); each holds ``"kernel"`` and ``"bias"`` exactly as a
         ``FusedDense`` of that name would.
       use_bias, dtype, param_dtype, precision, kernel_init, bias_init, promote_dtype,
-      compute_type, implementation: as for ``FusedDense``, for every layer.
+      compute_type, implementation, fp8: as for ``FusedDense``, for every layer (each
+        layer's FP8 state sits beside its parameters, as a ``FusedDense``'s does).
     """
 
     features: Any
@@ -200,10 +219,12 @@ class FusedMLP(nn.Module):
     promote_dtype: Any = _flax_dtypes.promote_dtype
     compute_type: Any = None
     implementation: str = "auto"
+    fp8: Any = None
 
     def __post_init__(self):
         for activation in self.activations:
             check_layer_options(activation, self.implementation, "FusedMLP")
+        check_fp8_recipe(self.fp8, "FusedMLP")
         super().__post_init__()
 
     @nn.compact
@@ -215,13 +236,16 @@ class FusedMLP(nn.Module):
         layers, in_features = [], jnp.shape(inputs)[-1]
         for width, name in zip(features, names):
             params = _DenseParams(
-                width, self.use_bias, self.param_dtype, self.kernel_init, self.bias_init, name=name
+                width, self.use_bias, self.param_dtype, self.kernel_init, self.bias_init, self.fp8, name=name
             )
             layers.append(params(in_features))
             in_features = width
-        promoted = [self.promote_dtype(inputs, kernel, bias, dtype=self.dtype) for kernel, bias in layers]
+        promoted = [self.promote_dtype(inputs, kernel, bias, dtype=self.dtype) for kernel, bias, _ in layers]
         x = promoted[0][0]
         compute_type = resolve_compute_type(self.precision, self.compute_type, x.dtype, "FusedMLP")
+        if self.fp8 is not None:
+            pairs, states = [(kernel, bias) for _, kernel, bias in promoted], [s for *_, s in layers]
+            return fused_mlp(x, pairs, self.activations, fp8=states)[0]
         return fused_mlp(
             x, [(kernel, bias) for _, kernel, bias in promoted], self.activations,
             compute_type=compute_type, implementation=self.implementation,

@@ -64,10 +64,40 @@ import jax.numpy as jnp
 
 from ._dense import fused_dense
 from ._epilogs import Activation
-from ._flax import check_layer_options, resolve_compute_type
+from ._flax import check_fp8_recipe, check_layer_options, fp8_state, resolve_compute_type
 from ._mlp import fused_mlp
 
-__all__ = ["FusedLinear", "FusedMLP"]
+__all__ = ["FusedLinear", "FusedMLP", "OverwriteWithGradient", "apply_fp8_gradients"]
+
+
+class OverwriteWithGradient(nnx.Variable):
+    """FP8 scaling state: its gradient is its next value (Linen's ``_overwrite_with_gradient``
+    collection, as a variable type). Differentiate with respect to it beside the parameters
+    and assign the gradient (``apply_fp8_gradients``); never hand it to an optimizer."""
+
+
+def apply_fp8_gradients(model: nnx.Module, grads: nnx.State) -> None:
+    """Set every ``OverwriteWithGradient`` variable of ``model`` to its gradient in ``grads``.
+
+    Example::
+
+        wrt = nnx.DiffState(0, nnx.Any(nnx.Param, OverwriteWithGradient))
+        grads = nnx.grad(loss_fn, argnums=wrt)(model, batch)
+        optimizer.update(model, nnx.filter_state(grads, nnx.Param))
+        apply_fp8_gradients(model, grads)
+    """
+    nnx.update(model, nnx.filter_state(grads, OverwriteWithGradient))
+
+
+def _fp8_variables(recipe) -> nnx.Dict:
+    made = {}
+
+    def variable(name, init, shape):
+        made[name] = OverwriteWithGradient(init(shape, jnp.float32))
+        return made[name][...]
+
+    fp8_state(variable, recipe)
+    return nnx.Dict(made)
 
 
 class FusedLinear(nnx.Module):
@@ -91,6 +121,9 @@ class FusedLinear(nnx.Module):
       compute_type: the cuBLAS compute type (a ``jax_epilog.ComputeType`` or nvmath
         ``MatmulComputeType`` member or its name); None for the default.
       implementation: ``"auto"``, ``"cublaslt"`` or ``"xla"``, as for ``fused_dense``.
+      fp8: None, or a ``jax_epilog.fp8`` recipe: the GEMMs in FP8, the scaling state in
+        ``self.fp8_meta`` as ``OverwriteWithGradient`` variables named as Flax's ``fp8_ops``
+        names them (``input_scale``, ``input_amax_history``, ...).
     """
 
     def __init__(
@@ -111,8 +144,10 @@ class FusedLinear(nnx.Module):
         activation: str | Activation | None = None,
         compute_type: Any = None,
         implementation: str = "auto",
+        fp8: Any = None,
     ):
         check_layer_options(activation, implementation, "FusedLinear")
+        check_fp8_recipe(fp8, "FusedLinear")
         kernel_key = rngs.params()
         self.kernel = nnx.Param(
             kernel_init(kernel_key, (in_features, out_features), param_dtype), **kernel_metadata
@@ -134,6 +169,14 @@ class FusedLinear(nnx.Module):
         self.activation = activation
         self.compute_type = compute_type
         self.implementation = implementation
+        self.fp8 = fp8
+        self.fp8_meta = _fp8_variables(fp8) if fp8 is not None else nnx.data(None)
+
+    def fp8_state(self):
+        """This layer's ``jax_epilog.fp8.DenseState`` (None without ``fp8``)."""
+        if self.fp8 is None:
+            return None
+        return fp8_state(lambda name, init, shape: self.fp8_meta[name][...], self.fp8)
 
     def __call__(self, inputs):
         """Applies ``act(inputs @ kernel + bias)`` along the last dimension of ``inputs``."""
@@ -141,6 +184,8 @@ class FusedLinear(nnx.Module):
         bias = self.bias[...] if self.bias is not None else None
         inputs, kernel, bias = self.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
         compute_type = resolve_compute_type(self.precision, self.compute_type, inputs.dtype, "FusedLinear")
+        if self.fp8 is not None:
+            return fused_dense(inputs, kernel, bias, activation=self.activation, fp8=self.fp8_state())[0]
         return fused_dense(
             inputs, kernel, bias, activation=self.activation, compute_type=compute_type,
             implementation=self.implementation,
@@ -157,7 +202,7 @@ class FusedMLP(nnx.Module):
       rngs: the ``nnx.Rngs`` to draw the parameters from, layer after layer.
       **kwargs: ``FusedLinear``'s keyword arguments (``use_bias``, ``dtype``,
         ``param_dtype``, ``precision``, initializers, ``compute_type``,
-        ``implementation``, ...), for every layer.
+        ``implementation``, ``fp8``, ...), for every layer.
 
     ``self.layers`` is an ``nnx.List`` of ``FusedLinear``: the same state, drawn in the same
     order, as those layers built one after the other from the same ``rngs``.
@@ -187,6 +232,8 @@ class FusedMLP(nnx.Module):
             layers.append((kernel, bias))
         compute_type = resolve_compute_type(first.precision, first.compute_type, x.dtype, "FusedMLP")
         activations = [layer.activation for layer in self.layers]
+        if first.fp8 is not None:
+            return fused_mlp(x, layers, activations, fp8=[layer.fp8_state() for layer in self.layers])[0]
         return fused_mlp(
             x, layers, activations, compute_type=compute_type, implementation=first.implementation
         )

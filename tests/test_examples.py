@@ -116,3 +116,28 @@ def test_train_transformer_mlp(rng, capsys):
     else:  # no kernel ran: no speed-up is claimed
         assert "speedup" not in result and "speed-up over" not in out
         assert "No cuBLASLt kernel ran" in out
+
+
+def test_train_transformer_mlp_fp8_trains_four_models_in_turn(rng, capsys, tmp_path):
+    plot = tmp_path / "losses.png"
+    args = ["--d-model", "32", "--blocks", "1", "--batch", "2", "--seq", "16", "--steps", "20"]
+    args += [
+        "--warmup",
+        "2",
+        "--lr",
+        "3e-3",
+        "--seed",
+        str(rng.integers(2**16)),
+        "--fp8",
+        "--plot",
+        str(plot),
+    ]
+    result = load("train_transformer_mlp").main(args)
+    for key in ("dense", "mlp", "mlp_fp8", "flax_fp8"):
+        losses = result[key]["losses"]
+        assert len(losses) == 20 and np.mean(losses[-5:]) < 0.8 * np.mean(losses[:5]), (key, losses)
+    # The same parameters and batches; FP8 rounding moves the losses by a few per cent.
+    np.testing.assert_allclose(result["mlp_fp8"]["losses"][-1], result["dense"]["losses"][-1], rtol=0.1)
+    assert plot.stat().st_size > 1000
+    if jax.default_backend() != "gpu":
+        assert "no FP8 kernel ran" in capsys.readouterr().out

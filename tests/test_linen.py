@@ -34,6 +34,7 @@ nn = pytest.importorskip("flax.linen")
 serialization = pytest.importorskip("flax.serialization")
 optax = pytest.importorskip("optax")
 
+import jax_epilog
 from jax_epilog.linen import FusedDense as _FusedDense
 from jax_epilog.linen import FusedMLP
 
@@ -496,3 +497,59 @@ def test_fused_mlp_precision_as_fused_dense_s(rng, precision, compute_type, matc
     p = params["params"]
     h = act_fn("gelu")(x @ p["layers_0"]["kernel"] + p["layers_0"]["bias"])
     assert_near(layer.apply(params, x), h @ p["layers_1"]["kernel"] + p["layers_1"]["bias"], TOL["float32"])
+
+
+# ---------------------------------------------------------------------------- FP8
+
+
+def test_fp8_state_lives_where_flax_keeps_its_own(rng):
+    from flax.linen import fp8_ops
+    from flax.training import train_state
+
+    from jax_epilog import fp8
+    from jax_epilog.linen import OVERWRITE_WITH_GRADIENT
+
+    x = jnp.asarray(rng.standard_normal((3, 37, 40)), jnp.float32)
+    recipe = fp8.DelayedScaling(history_length=16)
+    layer = _FusedDense(24, activation="gelu", dtype=jnp.bfloat16, fp8=recipe, name="fc")
+    variables = layer.init(jax.random.PRNGKey(1), x)
+    flax_layer = nn.Dense(24, dtype=jnp.bfloat16, dot_general_cls=fp8_ops.Fp8DirectDotGeneralOp)
+    (flax_state,) = flax_layer.init(jax.random.PRNGKey(1), x)[OVERWRITE_WITH_GRADIENT].values()
+    ours = variables[OVERWRITE_WITH_GRADIENT]
+    for name, value in flax_state.items():  # Flax's names, shapes and initial values
+        assert ours[name].shape[0] == 1 or ours[name].shape == (16,)
+        np.testing.assert_array_equal(np.asarray(ours[name])[:1], np.asarray(value)[:1])
+    # The parameters are a bfloat16 layer's: a plain FusedDense's checkpoint loads as it is.
+    plain = _FusedDense(24, activation="gelu", dtype=jnp.bfloat16, name="fc").init(jax.random.PRNGKey(1), x)
+    assert_same_tree(plain["params"], variables["params"])
+    # A training loop written for Flax's FP8 layers: TrainState overwrites the state with its gradient.
+    state = train_state.TrainState.create(apply_fn=layer.apply, params=variables, tx=optax.sgd(0.1))
+    loss = lambda v: jnp.mean(state.apply_fn(v, x).astype(jnp.float32) ** 2)
+    for _ in range(2):
+        state = state.apply_gradients(grads=jax.grad(loss)(state.params))
+    new = state.params[OVERWRITE_WITH_GRADIENT]
+    amax = float(jnp.max(jnp.abs(x.astype(jnp.bfloat16).astype(jnp.float32))))
+    np.testing.assert_allclose(np.asarray(new["input_amax_history"][:2]), [amax, amax], rtol=1e-6)
+    assert float(new["output_grad_amax_history"][0]) > 0
+    np.testing.assert_allclose(float(new["input_scale"][0]), amax / 448, rtol=1e-6)
+
+
+def test_fp8_mlp_keeps_each_layers_state_beside_its_parameters(rng):
+    from jax_epilog import fp8
+
+    x = jnp.asarray(rng.standard_normal((21, 40)), jnp.bfloat16)
+    block = FusedMLP(
+        (72, 24), ("gelu", None), dtype=jnp.bfloat16, fp8=fp8.CurrentScaling(), layer_names=("a", "b")
+    )
+    variables = block.init(jax.random.PRNGKey(0), x)
+    assert set(variables["_overwrite_with_gradient"]) == {"a", "b"}
+    layers = [(variables["params"][n]["kernel"], variables["params"][n]["bias"]) for n in "ab"]
+    states = [fp8.init(fp8.CurrentScaling()) for _ in "ab"]
+    want, _ = jax_epilog.fused_mlp(
+        x, [(k.astype(x.dtype), b.astype(x.dtype)) for k, b in layers], ["gelu", None], fp8=states
+    )
+    np.testing.assert_array_equal(
+        np.asarray(block.apply(variables, x), np.float32), np.asarray(want, np.float32)
+    )
+    with pytest.raises(TypeError, match="FusedDense: fp8='e4m3'"):
+        _FusedDense(4, fp8="e4m3")

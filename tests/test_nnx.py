@@ -440,3 +440,42 @@ def test_fused_mlp_is_fused_linear_layers_built_in_turn(rng):
         assert_near(grads[i]["bias"], t["bias"], 6e-2)
     with pytest.raises(ValueError, match=r"FusedMLP: features \(16, 4\) must hold the input width"):
         FusedMLP((16, 4), ("gelu", None), rngs=nnx.Rngs(0))
+
+
+# ---------------------------------------------------------------------------- FP8
+
+
+def test_fp8_state_is_overwritten_by_its_gradient_in_an_nnx_loop(rng):
+    from jax_epilog import fp8
+    from jax_epilog.nnx import OverwriteWithGradient, apply_fp8_gradients
+
+    optax = pytest.importorskip("optax")
+    x = jnp.asarray(rng.standard_normal((3, 37, 40)), jnp.float32)
+    block = FusedMLP(
+        (40, 72, 24), ("gelu", None), dtype=jnp.bfloat16, fp8=fp8.DelayedScaling(8), rngs=nnx.Rngs(0)
+    )
+    plain = FusedMLP((40, 72, 24), ("gelu", None), dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    # The same parameters as the bfloat16 block: checkpoints move between them.
+    assert_same_tree(
+        nnx.to_pure_dict(nnx.state(plain, nnx.Param)), nnx.to_pure_dict(nnx.state(block, nnx.Param))
+    )
+    meta = block.layers[0].fp8_meta
+    assert meta["input_scale"][...].shape == (1,) and meta["kernel_amax_history"][...].shape == (8,)
+    optimizer = nnx.Optimizer(block, optax.sgd(0.1), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(block, optimizer):
+        wrt = nnx.DiffState(0, nnx.Any(nnx.Param, OverwriteWithGradient))
+        grads = nnx.grad(lambda b: jnp.mean(b(x).astype(jnp.float32) ** 2), argnums=wrt)(block)
+        optimizer.update(block, nnx.filter_state(grads, nnx.Param))
+        apply_fp8_gradients(block, grads)
+
+    step(block, optimizer)
+    step(block, optimizer)
+    amax = float(jnp.max(jnp.abs(x.astype(jnp.bfloat16).astype(jnp.float32))))
+    np.testing.assert_allclose(np.asarray(meta["input_amax_history"][...][:2]), [amax, amax], rtol=1e-6)
+    assert float(block.layers[1].fp8_meta["output_grad_amax_history"][...][0]) > 0
+    # The hidden layer's output feeds the next GEMM in FP8: its amax is recorded.
+    assert float(meta["output_amax_history"][...][0]) > 0
+    with pytest.raises(TypeError, match="FusedLinear: fp8=1"):
+        FusedLinear(4, 4, fp8=1, rngs=nnx.Rngs(0))

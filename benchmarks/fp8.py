@@ -1,6 +1,6 @@
 """FP8 against bfloat16 XLA, Flax's FP8 pattern (XLA's rewrite) and nvmath-python.
 
-    python -m benchmarks.fp8 [--quick] [--out DIR]
+    python -m benchmarks.fp8 [--quick] [--out DIR] [--only ROWS] [--policy FIELD=VALUE ...]
 
 Rows (medians of interleaved samples in one process; every FP8 time includes quantizing x
 and the kernel and updating the scaling state):
@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.common import add_policy_option, policy, policy_changes
 from benchmarks.timing import FULL, QUICK, EventClock, WallClock, measure_interleaved
 
 BF16 = jnp.bfloat16
@@ -79,6 +80,18 @@ def _ours(recipe):
     return run, lambda n: tuple(fp8.init(recipe) for _ in range(n))
 
 
+def _quietly(fn):
+    """``fn``, traced without Flax's DeprecationWarning for ``Fp8DotGeneralOp`` (the pattern
+    XLA rewrites is the point of that contender)."""
+
+    def quiet(*args):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return fn(*args)
+
+    return quiet
+
+
 def _calls_fp8_gemm(fn, *args) -> bool:
     return "__cublas$lt$matmul$f8" in jax.jit(fn).lower(*args).compile().as_text()
 
@@ -118,8 +131,10 @@ def block_contenders(m, widths, activations, backward: bool):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)  # (Fp8DotGeneralOp: the pattern)
             model = _flax_fp8(widths[1:], activations, op)
-            variables = model.init(keys[-2], x)
-        flax_f = lambda x, v, model=model: model.apply(v, x)
+            variables = dict(model.init(keys[-2], x))
+        # The same weights as the other contenders.
+        variables["params"] = {f"Dense_{i}": {"kernel": w, "bias": b} for i, (w, b) in enumerate(layers)}
+        flax_f = _quietly(lambda x, v, model=model: model.apply(v, x))
         out[label] = (jax.jit(with_vjp(flax_f)), (x, variables))
         calls_fp8[label] = _calls_fp8_gemm(flax_f, x, variables)
     return out, calls_fp8
@@ -177,7 +192,13 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=None)
     parser.add_argument("--only", default=None, help="comma-separated row names")
+    add_policy_option(parser)
     args = parser.parse_args(argv)
+    with policy(policy_changes(args.policy)):
+        _run(args)
+
+
+def _run(args):
     settings = QUICK if args.quick else FULL
     rows = []
     plan = [
@@ -202,7 +223,8 @@ def main(argv=None):
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "fp8.json"), "w") as f:
-            json.dump({"device": device, "jax": jax.__version__, "rows": rows}, f, indent=1)
+            record = {"device": device, "jax": jax.__version__, "policy": args.policy, "rows": rows}
+            json.dump(record, f, indent=1)
 
 
 def _line(row) -> str:

@@ -6,9 +6,12 @@
 #   forward-cmdbuf-{off,on}.json, forward.md   the forward benchmark, XLA's command buffers off and on
 #   training.{json,md}, bench.log              the training benchmark
 #   <probe>/, probes.log                       the probes named in PROBES
+#   fp8/          with FP8=1: cuBLASLt's FP8 acceptance (fp8_epilogs.md), the FP8 benchmark
+#                 (fp8.json), the FP8 training example (example.log, train_fp8.png)
 # Knobs: OUT (default /tmp/jax_epilog_gpu_check), TESTS (pytest arguments, default
 # "-m gpu tests/"), PROBES (benchmarks.probes modules, e.g. "ensemble refusals"),
-# SKIP_BENCH=1, FORWARD_LABELS (default "cmdbuf-off cmdbuf-on"), SKIP_TRAINING=1.
+# SKIP_BENCH=1, FORWARD_LABELS (default "cmdbuf-off cmdbuf-on"), SKIP_TRAINING=1, FP8=1
+# (FP8 only: TESTS="-m gpu tests/fp8 tests/primitives/test_fp8_gemm.py" SKIP_BENCH=1 FP8=1).
 # The whole test suite on a GPU takes several minutes: run it on its own
 # (TESTS=tests/ SKIP_BENCH=1) where a call has a time limit.
 set -uo pipefail
@@ -35,6 +38,17 @@ for probe in ${PROBES:-}; do
   python3 -m "benchmarks.probes.$probe" --out "$OUT/$probe" >>"$OUT/probes.log" 2>&1 || status=1
   cat "$OUT/$probe"/*.md 2>/dev/null
 done
+
+if [ "${FP8:-0}" = 1 ]; then
+  mkdir -p "$OUT/fp8"
+  python3 -m benchmarks.probes.fp8_epilogs --out "$OUT/fp8" >"$OUT/fp8/probe.log" 2>&1 || status=1
+  cat "$OUT/fp8/fp8_epilogs.md" 2>/dev/null
+  python3 -m benchmarks.fp8 --quick --out "$OUT/fp8" >"$OUT/fp8/bench.log" 2>&1 || status=1
+  grep -A12 "^FP8 rows" "$OUT/fp8/bench.log"
+  python3 examples/train_transformer_mlp.py --size large --fp8 --plot "$OUT/fp8/train_fp8.png" \
+    >"$OUT/fp8/example.log" 2>&1 || status=1
+  grep -v "training in turn" "$OUT/fp8/example.log" | tail -n 9
+fi
 
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   : >"$OUT/bench.log"

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from .._checks import check_activation, check_layer, dtype_name
+from .._checks import check_layer, dtype_name
 from .._epilogs import ComputeType
 from . import _dense, _mlp
 from ._quant import Quantized
@@ -53,10 +53,9 @@ def _check_inputs(owner: str, x, kernel, bias, activation):
     dtype = dtype_name(kernel)
     if dtype not in FP8_INPUT_DTYPES:
         raise TypeError(f"{owner}: with fp8 the kernel has dtype {dtype}; allowed: {FP8_INPUT_DTYPES}.")
-    like = data if isinstance(x, Quantized) else x
-    probe = kernel if isinstance(x, Quantized) else like
-    act, *_ = check_layer(owner, data.shape, probe, kernel, bias, activation, None)
-    return check_activation(act, owner), dtype
+    dtype_of_x = kernel if isinstance(x, Quantized) else x  # (FP8 data: the kernel's dtype rules)
+    act, *_ = check_layer(owner, data.shape, dtype_of_x, kernel, bias, activation, None)
+    return act, dtype
 
 
 def dense_call(x, kernel, bias, activation, state, fp8_output: bool, owner: str = "fused_dense"):

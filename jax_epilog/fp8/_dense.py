@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _reference
-from .._epilogs import Activation
+from .._epilogs import Activation, epilog_name
 from ..primitives.fp8_gemm import fp8_matmul
 from ._quant import Quantized, QuantizedTensor, quantize_tensor
 from ._recipes import E4M3, E5M2, DenseState, next_scale, push_amax
@@ -43,11 +43,8 @@ def epilog_dtypes(out_dtype) -> tuple[np.dtype, np.dtype]:
 
 
 def _epilog(layer: Layer, with_aux: bool) -> str:
-    bias = "_BIAS" if layer.has_bias else ""
-    if layer.activation is None:
-        return "BIAS" if layer.has_bias else "DEFAULT"
-    aux = "_AUX" if with_aux and layer.activation is Activation.GELU else ""
-    return f"{layer.activation.name}{aux}{bias}"
+    """The forward's epilog; only GELU keeps an aux (ReLU's derivative comes from y > 0)."""
+    return epilog_name(layer.activation, layer.has_bias, with_aux and layer.activation is Activation.GELU)
 
 
 class Forward(NamedTuple):

@@ -167,37 +167,60 @@ def _spec(avals, problem, epilog, d_dtype, aux_dtype, amax) -> Fp8Spec | None:
 
 
 def _cuda(ctx, *args, problem, epilog, d_dtype, aux_dtype, amax):
-    """cuBLASLt's FP8 GEMM with its epilog; where cuBLASLt refuses the epilog but runs the
-    plain FP8 GEMM, that GEMM (float32 D) and the epilog in XLA, with one warning; else the
-    emulation."""
+    """cuBLASLt's FP8 GEMM with its epilog; where cuBLASLt refuses that, the nearest problem
+    it runs (``_alternatives``) with the rest in XLA, and one warning; else the emulation."""
     params = {"problem": problem, "epilog": epilog, "d_dtype": d_dtype, "aux_dtype": aux_dtype, "amax": amax}
     names = operand_names(problem, epilog, d_dtype)
     spec = _spec(ctx.avals_in, **params)
-    if spec is not None and spec.epilog != "DEFAULT" and (refusal := ffi.prepare(spec)) is not None:
-        plain = spec._replace(epilog="DEFAULT", d_dtype="float32", bias_dtype=None, aux_dtype=None, amax=0)
-        if ffi.prepare(plain) is None:
-            warn_once(f"{refusal}; its epilog runs in XLA after cuBLASLt's FP8 GEMM")
+    m, n = ctx.avals_out[0].shape
+    refusal = None if spec is None else ffi.prepare(spec)
+    for alt, note in _alternatives(spec) if refusal is not None else ():
+        if ffi.prepare(alt) is None:
+            warn_once(f"{refusal}; {note}")
 
-            def split(*values):
+            def partly(*values, alt=alt):
                 ops = dict(zip(names, values))
-                (acc,) = _gemm(problem, ops, plain, [jax.ShapeDtypeStruct((plain.m, plain.n), np.float32)])
-                acc = acc[: ctx.avals_out[0].shape[0], : ctx.avals_out[0].shape[1]]
-                return _epilog(acc, ops, epilog, d_dtype, aux_dtype, amax)
+                y = _run(problem, ops, alt, m, n)
+                if alt.epilog == epilog and np.dtype(d_dtype).name in FP8_DTYPES:  # FP8 D in 16 bits
+                    return _quantized(y, ops, d_dtype, amax)
+                return _epilog(y[0].astype(jnp.float32), ops, epilog, d_dtype, aux_dtype, amax)
 
-            return mlir.lower_fun(split, multiple_results=True)(ctx, *args)
+            return mlir.lower_fun(partly, multiple_results=True)(ctx, *args)
 
-    def fused(*values):
-        ops = dict(zip(names, values))
-        results = [jax.ShapeDtypeStruct((spec.m, spec.n), d_dtype)]
-        if amax:
-            results.append(jax.ShapeDtypeStruct((), np.float32))
-        if spec.aux_out:
-            results.append(jax.ShapeDtypeStruct((spec.m, spec.aux_ld), aux_dtype))
-        outs = _gemm(problem, ops, spec, results)
-        wanted = [a.shape for a in ctx.avals_out]
-        return [o[tuple(slice(0, s) for s in shape)] if o.ndim else o for o, shape in zip(outs, wanted)]
-
+    fused = lambda *values: _run(problem, dict(zip(names, values)), spec, m, n)
     return lower_fused_or_reference(ctx, args, params, spec, fused, reference)
+
+
+def _alternatives(spec: Fp8Spec):
+    """What to ask cuBLASLt for where it refuses ``spec``, nearest first: an FP8 D written
+    in 16 bits (then scaled, cast and its amax taken in XLA); the plain FP8 GEMM, in float32
+    then in bfloat16 (then the whole epilog in XLA)."""
+    if spec.d_fp8:
+        yield spec._replace(d_dtype=spec.bias_dtype or "bfloat16", amax=0), "its FP8 output is cast in XLA"
+    for dtype in ("float32", "bfloat16"):
+        plain = spec._replace(epilog="DEFAULT", d_dtype=dtype, bias_dtype=None, aux_dtype=None, amax=0)
+        yield plain, "its epilog runs in XLA after cuBLASLt's FP8 GEMM"
+
+
+def _run(problem, ops, spec: Fp8Spec, m: int, n: int):
+    """``spec``'s custom call on the operands by name; its results cut to (m, n)."""
+    results = [jax.ShapeDtypeStruct((spec.m, spec.n), spec.d_dtype)]
+    if spec.amax:
+        results.append(jax.ShapeDtypeStruct((), np.float32))
+    if spec.aux_out:
+        results.append(jax.ShapeDtypeStruct((spec.m, spec.aux_ld), spec.aux_dtype))
+    outs = _gemm(problem, ops, spec, results)
+    width = aux_columns(Activation.GELU, n)
+    cut = [outs[0][:m, :n], *outs[1 : 1 + spec.amax], *(o[:m, :width] for o in outs[1 + spec.amax :])]
+    return cut
+
+
+def _quantized(outs, ops, d_dtype, amax):
+    """A 16-bit D (and its aux) as the FP8 D, its amax and the aux."""
+    y = outs[0].astype(jnp.float32)
+    limit = np.float32(float(jnp.finfo(d_dtype).max))
+    d = jnp.clip(y * ops["d_scale"].astype(jnp.float32), -limit, limit).astype(d_dtype)
+    return [d, *([jnp.max(jnp.abs(y))] if amax else []), *outs[1:]]
 
 
 def _gemm(problem, ops, spec: Fp8Spec, results):

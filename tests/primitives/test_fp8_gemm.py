@@ -148,22 +148,53 @@ def test_gpu_matches_the_emulation_within_one_e4m3_ulp(rng, m, k, n, fresh_warni
                 assert np.abs(a - b).max() <= 2**-7 * top + 1e-6, params
 
 
-def test_a_refused_epilog_runs_in_xla_after_cublaslts_fp8_gemm(
-    rng, reference_calls, monkeypatch, fresh_warnings
+REFUSALS = {  # what cuBLASLt refuses -> (what runs instead, the warning)
+    "epilogs": (
+        lambda spec: spec.epilog != "DEFAULT",
+        "DEFAULT",
+        "its epilog runs in XLA after cuBLASLt's FP8 GEMM",
+    ),
+    "FP8 outputs": (lambda spec: spec.d_fp8, None, "its FP8 output is cast in XLA"),
+    "float32 outputs too": (
+        lambda spec: spec.epilog != "DEFAULT" or spec.d_dtype == "float32",
+        "DEFAULT",
+        "its epilog runs in XLA",
+    ),
+}
+
+
+@pytest.mark.parametrize("refused", list(REFUSALS))
+def test_a_refused_problem_runs_the_nearest_one_and_the_rest_in_xla(
+    rng, reference_calls, monkeypatch, fresh_warnings, refused
 ):
     from jax_epilog import FastPathWarning, _warnings
     from jax_epilog.cuda import ffi
 
-    monkeypatch.setattr(ffi, "prepare", lambda spec: None if spec.epilog == "DEFAULT" else "no such epilog")
-    cases = [(ops, params) for ops, params in _all_cases(rng, 45, 37, 29) if params["epilog"] != "DEFAULT"]
-    for ops, params in cases:
+    refuses, runs, warning = REFUSALS[refused]
+    monkeypatch.setattr(ffi, "prepare", lambda spec: "no" if refuses(spec) else None)
+    for ops, params in _all_cases(rng, 45, 37, 29):
+        probe = fp8_gemm_spec(ops, params)
+        if not refuses(probe):
+            continue
         _warnings.warn_once.cache_clear()  # (one warning per reason)
-        with pytest.warns(FastPathWarning, match="its epilog runs in XLA after cuBLASLt's FP8 GEMM"):
+        with pytest.warns(FastPathWarning, match=warning):
             fused = jax.jit(functools.partial(fp8_matmul, **params))(*ops)
-        assert reference_calls[-1].epilog == "DEFAULT" and reference_calls[-1].d_dtype == "float32"
+        assert not refuses(reference_calls[-1])
+        assert runs is None or reference_calls[-1].epilog == runs
         plain = reference(*ops, **{"aux_dtype": None, "amax": True} | params)
         for a, b in zip(fused, plain, strict=True):
-            rtol = 2**-3 if a.dtype == fp8.E4M3 else 2**-7
-            np.testing.assert_allclose(
-                np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=rtol, atol=1e-5
-            )
+            assert a.shape == b.shape and a.dtype == b.dtype
+            is_fp8 = a.dtype == fp8.E4M3
+            rtol, atol = (2**-3 if is_fp8 else 2**-7), 1e-5
+            a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+            if refused == "float32 outputs too":  # a bfloat16 product, then the epilog: near
+                # zero, where bias and product cancel, its rounding is the product's
+                rtol, atol = max(rtol, 2**-6), 2**-7 * float(np.abs(b).max())
+            np.testing.assert_allclose(a, b, rtol=rtol, atol=atol)
+
+
+def fp8_gemm_spec(ops, params):
+    from jax_epilog.primitives.fp8_gemm import _spec
+
+    avals = [jax.core.ShapedArray(o.shape, o.dtype) for o in ops]
+    return _spec(avals, **{"aux_dtype": None, "amax": True} | params)

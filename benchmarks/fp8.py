@@ -6,8 +6,11 @@ Rows (medians of interleaved samples in one process; every FP8 time includes qua
 and the kernel and updating the scaling state):
 
 * ``forward``: y = gelu(x @ w + b), 8192x4096->16384.
-* ``mlp``: a GELU block's output and its VJP for a given dy (every gradient, the FP8
-  state's included), 8192x4096->16384->4096 and the mid-size 8192x1024->4096->1024.
+* ``dense`` and ``mlp``: a GELU layer's (block's) output and its VJP for a given dy (every
+  gradient, the FP8 state's included): 8192x4096->16384, 8192x4096->16384->4096 and the
+  mid-size 8192x1024->4096->1024.
+* In every row, ``fp8 gemms only``: the same FP8 GEMMs alone through our custom call, on
+  operands already quantized and laid out (the ceiling of the FP8 rows).
 * ``gemm``: 8192^3 E4M3 x E4M3 -> bfloat16 through our custom call (operands already FP8
   and K-contiguous) against nvmath-python's own FP8 ``Matmul`` (planned, and autotuned).
 
@@ -20,6 +23,7 @@ compiled program called an FP8 GEMM (``__cublas$lt$matmul$f8``).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import time
@@ -112,6 +116,7 @@ def block_contenders(m, widths, activations, backward: bool):
         return lambda x, p: jax.vjp(f, x, p)[1](dy)
 
     out["xla bf16"] = (jax.jit(with_vjp(lambda x, p: _plain(x, p, activations))), (x, layers))
+    # (every contender takes (x, something): the GEMMs-only one its own operands)
     for label, recipe in (
         ("ours fp8 delayed", fp8.DelayedScaling()),
         ("ours fp8 current", fp8.CurrentScaling()),
@@ -123,6 +128,7 @@ def block_contenders(m, widths, activations, backward: bool):
         else:
             f = lambda x, p, run=run: run(x, p[0], p[1], activations)
         out[label] = (jax.jit(f), (x, (layers, states)))
+    out["fp8 gemms only"] = _gemms_only(m, widths, backward)
     calls_fp8 = {}
     for label, op in (
         ("flax fp8 qdq (xla)", "Fp8DotGeneralOp"),
@@ -138,6 +144,44 @@ def block_contenders(m, widths, activations, backward: bool):
         out[label] = (jax.jit(with_vjp(flax_f)), (x, variables))
         calls_fp8[label] = _calls_fp8_gemm(flax_f, x, variables)
     return out, calls_fp8
+
+
+def _gemms_only(m, widths, backward):
+    """The block's FP8 GEMMs alone, through our custom call on operands already quantized
+    and laid out K-contiguous (no quantizing, no transposes, no epilog): the ceiling the
+    FP8 block approaches. Per layer: the forward GEMM, and with ``backward`` the input- and
+    kernel-gradient GEMMs."""
+    from jax_epilog.primitives.fp8_gemm import fp8_matmul
+
+    e4, e5 = jnp.float8_e4m3fn, jnp.float8_e5m2
+    key = jax.random.PRNGKey(7)
+    draw = lambda shape, dtype: jax.random.normal(jax.random.fold_in(key, sum(shape)), shape).astype(dtype)
+    one = jnp.ones((), jnp.float32)
+    gemm = lambda p, q, d: fp8_matmul(
+        p, q, one, one, problem="dgrad", epilog="DEFAULT", d_dtype=d, amax=False
+    )[0]
+    layers = []
+    for k, n in itertools.pairwise(widths):
+        ops = {"x": draw((m, k), e4), "w_t": draw((n, k), e4)}
+        if backward:
+            ops |= {
+                "dz": draw((m, n), e5),
+                "w": draw((k, n), e4),
+                "x_t": draw((k, m), e4),
+                "dz_t": draw((n, m), e5),
+            }
+        layers.append(ops)
+
+    def run(layers):
+        outs = []
+        for ops in layers:
+            outs.append(gemm(ops["x"], ops["w_t"], BF16))  # y = x @ w
+            if backward:
+                outs.append(gemm(ops["dz"], ops["w"], BF16))  # dx = dz @ w^T
+                outs.append(gemm(ops["x_t"], ops["dz_t"], jnp.float32))  # dw = x^T @ dz
+        return outs
+
+    return jax.jit(run), (layers,)
 
 
 def time_block(name, m, widths, activations, backward, settings):
@@ -185,37 +229,83 @@ def time_gemm(settings, size=8192):
     return {"row": f"gemm {size}^3", "us": {n: x.us for n, x in zip(names, t)}}
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--only", default=None, help="comma-separated row names")
-    add_policy_option(parser)
-    args = parser.parse_args(argv)
-    with policy(policy_changes(args.policy)):
-        _run(args)
+ROWS = (  # (kind, rows, widths, activations, backward)
+    ("forward", 8192, (4096, 16384), ("gelu",), False),
+    ("dense fwd+bwd", 8192, (4096, 16384), ("gelu",), True),
+    ("mlp fwd+bwd", 8192, (4096, 16384, 4096), ("gelu", None), True),
+    ("mlp fwd+bwd", 8192, (1024, 4096, 1024), ("gelu", None), True),
+)
 
 
-def _run(args):
-    settings = QUICK if args.quick else FULL
+def measure(settings, scale: int = 1, only=None) -> list[dict]:
+    """Every FP8 row (sizes divided by ``scale``; ``only``: row names containing one of
+    these), printed as each is measured."""
     rows = []
-    plan = [
-        ("forward 8192x4096->16384 gelu", 8192, (4096, 16384), ("gelu",), False),
-        ("mlp fwd+bwd 8192x4096->16384->4096", 8192, (4096, 16384, 4096), ("gelu", None), True),
-        ("mlp fwd+bwd 8192x1024->4096->1024", 8192, (1024, 4096, 1024), ("gelu", None), True),
-    ]
-    only = None if args.only is None else set(args.only.split(","))
-    for name, m, widths, acts, backward in plan:
+    for kind, m, widths, acts, backward in ROWS:
+        m, widths = m // scale, tuple(w // scale for w in widths)
+        name = f"{kind} {m}x{'->'.join(map(str, widths))} gelu"
         if only and not any(o in name for o in only):
             continue
         start = time.time()
         rows.append(time_block(name, m, widths, acts, backward, settings))
         print(_line(rows[-1]), f"({time.time() - start:.0f} s)", flush=True)
-    if not only or "gemm" in only:
-        rows.append(time_gemm(settings))
+    if (not only or "gemm" in only) and jax.devices()[0].platform == "gpu":
+        rows.append(time_gemm(settings, 8192 // scale))
         print(_line(rows[-1]), flush=True)
+    return rows
+
+
+def render(rows: list[dict]) -> str:
+    """The rows as a markdown table: µs and the ratio over XLA's bfloat16 program."""
+    lines = ["| row | contender | µs | XLA bf16 µs / µs |", "|---|---|---|---|"]
+    for row in rows:
+        base = row["us"].get("xla bf16") or row["us"].get("nvmath fp8 autotuned")
+        for name, us in row["us"].items():
+            lines.append(f"| {row['row']} | {name} | {us:.1f} | {base / us:.2f}× |")
+        flags = row.get("flax_calls_fp8_gemm")
+        if flags:
+            called = ", ".join(f"{name}: {'yes' if flag else 'no'}" for name, flag in flags.items())
+            lines.append(f"| {row['row']} | XLA called an FP8 GEMM | {called} | |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str) -> str:
+    """One bar chart: each row's contenders, as the ratio over the row's baseline."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(dict.fromkeys(name for row in rows for name in row["us"]))
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    width = 0.8 / len(names)
+    for j, name in enumerate(names):
+        ratios = []
+        for row in rows:
+            base = row["us"].get("xla bf16") or row["us"].get("nvmath fp8 autotuned")
+            ratios.append(base / row["us"][name] if name in row["us"] else 0.0)
+        ax.bar([i + j * width for i in range(len(rows))], ratios, width, label=name)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(rows))], [r["row"] for r in rows], fontsize=7)
+    ax.set_ylabel("baseline µs / µs (XLA bf16; nvmath for the GEMM)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", default=None, help="folder for fp8.json, fp8.md and fp8.png")
+    parser.add_argument("--only", default=None, help="comma-separated parts of row names")
+    add_policy_option(parser)
+    args = parser.parse_args(argv)
+    only = None if args.only is None else args.only.split(",")
+    with policy(policy_changes(args.policy)):
+        rows = measure(QUICK if args.quick else FULL, only=only)
     device = jax.devices()[0].device_kind
     print(f"\nFP8 rows on {device}, jax {jax.__version__} (median µs; ratio = baseline / contender):")
     for row in rows:
@@ -225,6 +315,9 @@ def _run(args):
         with open(os.path.join(args.out, "fp8.json"), "w") as f:
             record = {"device": device, "jax": jax.__version__, "policy": args.policy, "rows": rows}
             json.dump(record, f, indent=1)
+        with open(os.path.join(args.out, "fp8.md"), "w") as f:
+            f.write(f"FP8 rows on {device}, jax {jax.__version__}\n\n{render(rows)}\n")
+        plot(rows, os.path.join(args.out, "fp8.png"))
 
 
 def _line(row) -> str:

@@ -90,12 +90,17 @@ def make_plots(results_path: str, out_dir: str | None = None) -> list[str]:
     stem = os.path.splitext(os.path.basename(results_path))[0]
     out_dir = out_dir or os.path.dirname(results_path) or "."
     os.makedirs(out_dir, exist_ok=True)
-    return [
+    paths = [
         _figure(results, tflops_series, "TFLOP/s", os.path.join(out_dir, f"{stem}-tflops.png")),
         _figure(
             results, speedup_series, "XLA jit µs / µs", os.path.join(out_dir, f"{stem}-speedup.png"), 1.0
         ),
     ]
+    if isinstance(results.get("fp8"), list) and results["fp8"]:
+        from benchmarks import fp8
+
+        paths.append(fp8.plot(results["fp8"], os.path.join(out_dir, f"{stem}-fp8.png")))
+    return paths
 
 
 def main(argv=None):

@@ -204,24 +204,26 @@ def parse_args(argv):
     parser.add_argument(
         "--cpu-smoke", action="store_true", help="shapes / 64, 2 samples of 2 calls: runs on a CPU"
     )
+    parser.add_argument(
+        "--fp8", action="store_true", help="also the FP8 rows (benchmarks/fp8.py: ~3 min more on an H100)"
+    )
     add_policy_option(parser)
     return parser.parse_args(argv)
 
 
-def measure_all(todo, settings: Settings, scale: int) -> dict:
-    """The ceiling, every case and the host-cost section, in that order."""
+def measure_all(todo, settings: Settings, scale: int, with_fp8: bool = False) -> dict:
+    """The ceiling, every case, the host-cost section and (``with_fp8``) the FP8 rows."""
     progress = Progress(len(todo) + N_CEILING + N_HOST)
     on_gpu = jax.devices()[0].platform == "gpu"
     ceiling = guarded(bench_ceiling, settings, scale, progress)
     rows = run_jobs(todo, settings, progress)
     host = guarded(bench_host, settings, scale, progress, on_gpu)
-    return {
-        "rows": rows,
-        "auto_vs_xla": auto_vs_xla(rows),
-        "ceiling": ceiling,
-        "host": host,
-        "plans": plan_states(),
-    }
+    measured = {"rows": rows, "auto_vs_xla": auto_vs_xla(rows), "ceiling": ceiling, "host": host}
+    if with_fp8:
+        from benchmarks import fp8
+
+        measured["fp8"] = guarded(fp8.measure, settings, scale)
+    return measured | {"plans": plan_states()}
 
 
 def main(argv: list[str] | None = None) -> dict | None:
@@ -236,7 +238,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     print(summary(todo, settings), flush=True)
     changes = policy_changes(args.policy)
     with policy(changes):
-        measured = measure_all(todo, settings, scale)
+        measured = measure_all(todo, settings, scale, args.fp8)
     versions_now = environment() | {"xla_cublaslt_options": con.CUBLASLT_OPTIONS}
     results = {
         "date": datetime.datetime.now(datetime.UTC).date().isoformat(),

@@ -251,6 +251,12 @@ def render_markdown(results: dict) -> str:
         lines += ["", *_ceiling_lines(results["ceiling"])]
     if results.get("host"):
         lines += ["", *_host_lines(results["host"])]
+    if isinstance(results.get("fp8"), list):
+        from benchmarks import fp8
+
+        lines += ["", "## FP8 (benchmarks/fp8.py)", "", fp8.render(results["fp8"])]
+    elif results.get("fp8"):
+        lines += ["", "## FP8", "", f"Not measured: {results['fp8'].get('skipped')}"]
     return "\n".join(lines) + "\n"
 
 

@@ -12,9 +12,12 @@ from benchmarks import fp8 as bench
 def test_every_contender_computes_the_same_block():
     contenders, calls_fp8 = bench.block_contenders(32, (24, 40, 16), ("gelu", None), backward=False)
     assert set(contenders) == {
-        "xla bf16", "ours fp8 delayed", "ours fp8 current", "flax fp8 qdq (xla)", "flax fp8 direct (xla)",
+        "xla bf16", "ours fp8 delayed", "ours fp8 current", "fp8 gemms only", "flax fp8 qdq (xla)",
+        "flax fp8 direct (xla)",
     }  # fmt: skip
     assert set(calls_fp8) == {"flax fp8 qdq (xla)", "flax fp8 direct (xla)"}
+    f, args = contenders.pop("fp8 gemms only")  # the block's GEMMs alone: one per layer forward
+    assert [y.shape for y in f(*args)] == [(32, 40), (32, 16)]
     outputs = {}
     for name, (f, args) in contenders.items():
         y = f(*args)
@@ -29,4 +32,20 @@ def test_the_backward_rows_return_every_gradient():
     f, args = contenders["ours fp8 current"]
     dx, (layers, states) = f(*args)
     assert dx.shape == (32, 24) and len(layers) == 2 and len(states) == 2
+    f, args = contenders["fp8 gemms only"]  # forward, input and kernel gradient per layer
+    assert [y.shape for y in f(*args)] == [(32, 40), (32, 24), (24, 40), (32, 16), (32, 40), (40, 16)]
     assert all(np.isfinite(np.asarray(leaf, np.float32)).all() for leaf in jax.tree.leaves((dx, layers)))
+
+
+def test_rows_render_as_ratios_over_xla_and_plot(tmp_path):
+    rows = [
+        {"row": "forward 8x16->32 gelu", "us": {"xla bf16": 30.0, "ours fp8 delayed": 20.0},
+         "flax_calls_fp8_gemm": {"flax fp8 qdq (xla)": True}},
+        {"row": "gemm 8192^3", "us": {"ours fp8 gemm": 105.0, "nvmath fp8 autotuned": 100.0}},
+    ]  # fmt: skip
+    table = bench.render(rows)
+    assert "| forward 8x16->32 gelu | ours fp8 delayed | 20.0 | 1.50× |" in table
+    assert "| gemm 8192^3 | ours fp8 gemm | 105.0 | 0.95× |" in table
+    assert "flax fp8 qdq (xla): yes" in table
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "fp8.png").samefile(bench.plot(rows, str(tmp_path / "fp8.png")))

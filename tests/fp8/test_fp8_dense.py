@@ -31,23 +31,26 @@ def _q(v, scale, dtype=fp8.E4M3):
 
 
 def _emulated(x, w, b, activation, out_dtype):
-    """Current scaling's forward: scales from this step's amax, float64 GEMM, epilog."""
+    """Current scaling's forward: scales from this step's amax, float64 GEMM, epilog (the
+    bias in the output's 16-bit dtype, as cuBLASLt's FP8 kernels take it)."""
     sx = np.abs(np.asarray(x, np.float32)).max() * np.float32(1 / 448)  # float32, as the library
     sk = np.abs(np.asarray(w, np.float32)).max() * np.float32(1 / 448)
     z = (_q(x, sx) @ _q(w, sk)) * (np.float64(sx) * np.float64(sk))
-    z = z + np.asarray(jnp.asarray(b).astype(jnp.bfloat16), np.float64)
+    z = z + np.asarray(jnp.asarray(b).astype(out_dtype), np.float64)
     y = np.asarray(TWINS[activation](jnp.asarray(z))) if activation else z
     return np.asarray(jnp.asarray(y, jnp.float32).astype(out_dtype), np.float32)
 
 
 @pytest.mark.parametrize("activation", [None, "relu", "gelu"])
 @pytest.mark.parametrize("m, k, n", SHAPES)
-def test_forward_is_the_emulated_fp8_gemm(rng, activation, m, k, n):
-    x, w, b = _inputs(rng, m, k, n)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_forward_is_the_emulated_fp8_gemm(rng, activation, m, k, n, dtype):
+    x, w, b = _inputs(rng, m, k, n, dtype)
     y, _ = jax.jit(functools.partial(je.fused_dense, activation=activation))(
         x, w, b, fp8=fp8.init(fp8.CurrentScaling())
     )
-    want = _emulated(x, w, b, activation, jnp.bfloat16)
+    assert y.dtype == dtype
+    want = _emulated(x, w, b, activation, dtype)
     np.testing.assert_allclose(np.asarray(y, np.float32), want, rtol=2**-7, atol=1e-6)  # one bfloat16 ulp
     # ...and within FP8's error of the float32 layer.
     exact = np.asarray(TWINS.get(activation, lambda z: z)(x.astype(jnp.float32) @ w.astype(jnp.float32) + b))

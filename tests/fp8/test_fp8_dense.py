@@ -198,3 +198,18 @@ def test_column_parallel_kernel_and_split_rows_match_one_device(rng):
     assert q4.data.sharding.spec == spec("rows", "cols")  # no gather of x, columns stay split
     np.testing.assert_array_equal(np.asarray(q4.data, np.float32), np.asarray(q1.data, np.float32))
     np.testing.assert_array_equal(np.asarray(s4.output.amax_history), np.asarray(s1.output.amax_history))
+
+
+def test_the_gpu_program_is_three_fp8_gemms_with_k_and_n_padded_to_16(rng, cublaslt_accepts):
+    import re
+
+    from helpers import cuda_text, custom_calls
+
+    x, w, b = _inputs(rng, 37, 24, 40)
+    loss = lambda x, w, b, s: _loss(x, w, b, s, "gelu")
+    text = cuda_text(jax.grad(loss, argnums=(0, 1, 2, 3)), x, w, b, fp8.init())
+    calls = custom_calls(text)
+    sizes = [tuple(int(re.search(rf"\b{d} = (\d+)", c)[1]) for d in "mnk") for c in calls]
+    assert [re.search(r'epilog = "(\w+)"', c)[1] for c in calls] == ["GELU_AUX_BIAS", "DEFAULT", "DEFAULT"]
+    assert sizes == [(37, 48, 32), (37, 32, 48), (24, 48, 48)]  # forward, dgrad, wgrad (its K: the rows)
+    assert "stablehlo.dot_general" not in text

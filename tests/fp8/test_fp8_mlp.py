@@ -2,11 +2,13 @@
 output between them, gradients follow float32, every state updates."""
 
 import itertools
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import cuda_text, custom_calls
 
 import jax_epilog as je
 from jax_epilog import fp8
@@ -69,3 +71,18 @@ def test_bad_states_raise(rng):
         je.fused_mlp(x, layers, ["gelu", None], fp8=_states(1))
     with pytest.raises(TypeError, match="fp8\\[1\\] must be"):
         je.fused_mlp(x, layers, ["gelu", None], fp8=(fp8.init(), "x"))
+
+
+def test_the_gpu_program_is_six_fp8_gemms_and_no_other_gemm(rng, cublaslt_accepts):
+    """On a GPU a two-layer FP8 block's step is its six FP8 GEMMs (the chain's first one
+    writing GELU's output in E4M3 with the aux; its input gradient applying GELU's
+    derivative); nothing computes a product in XLA."""
+    x, layers = _block(rng, m=64, widths=(48, 80, 32))
+    loss = lambda x, p, s: jnp.sum(je.fused_mlp(x, p, ["gelu", None], fp8=s)[0].astype(jnp.float32) ** 2)
+    text = cuda_text(jax.grad(loss, argnums=(0, 1, 2)), x, layers, _states(2))
+    calls = custom_calls(text)
+    epilogs = [re.search(r'epilog = "(\w+)"', call)[1] for call in calls]
+    d_dtypes = [re.search(r'd_dtype = "(\w+)"', call)[1] for call in calls]
+    assert sorted(epilogs) == sorted(["GELU_AUX_BIAS", "BIAS", "DEFAULT", "DEFAULT", "DEFAULT", "DGELU"])
+    assert d_dtypes[epilogs.index("GELU_AUX_BIAS")] == "float8_e4m3fn"
+    assert "stablehlo.dot_general" not in text

@@ -77,11 +77,12 @@ class Layout(NamedTuple):
     by ``factor_sizes``) for N; factors ``whole`` never split. ``members``: operands with
     ``depth`` leading member dimensions ("e0", "e1", ... in the rule; ``over_members``),
     every result then has them too, and the dimensions above sit ``depth`` further along.
-    ``maxed``: results that are a maximum over M and N (an amax), reduced over the devices
-    that split either (``pmax``: one all-reduce of a scalar). ``row_dims``: how many leading dimensions (after any member dimensions) make up M in
+    ``row_dims``: how many leading dimensions (after any member dimensions) make up M in
     the operands and results in ``rows`` (x of shape (batch, seq, K): two, "m0 m1" in the
     rule; each may be split on its own); their other dimensions sit ``row_dims - 1``
-    further along than the indices above, which count one.
+    further along than the indices above, which count one. ``maxed``: results that are a
+    maximum over M and N (an amax), reduced over the devices that split either (``pmax``:
+    one all-reduce of a scalar).
     """
 
     rows: tuple[tuple[int, ...], tuple[int, ...]]

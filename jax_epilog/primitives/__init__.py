@@ -2,7 +2,8 @@
 
 ``forward`` (GEMM + bias + activation, optionally the aux), ``weight_grad`` (kernel and
 bias gradients, BGRADA), ``gelu_input_grad`` (an input gradient times the previous GELU's
-derivative, DGELU) and ``members`` (an ensemble's forward as one batched GEMM).
+derivative, DGELU), ``members`` (an ensemble's forward as one batched GEMM) and
+``fp8_gemm`` (one FP8 GEMM with per-tensor scales, its epilog and the amax of D).
 """
 
 from .forward import fused_matmul

@@ -137,9 +137,7 @@ def call(operands: tuple[jax.Array, ...], results: list[jax.ShapeDtypeStruct], s
     attributes = {
         name: np.int64(value) if isinstance(value, int) else value for name, value in spec._asdict().items()
     }
-    for name in ("bias_dtype", "aux_dtype"):
-        if name in attributes:
-            attributes[name] = attributes[name] or ""
+    attributes |= {name: attributes[name] or "" for name in ("bias_dtype", "aux_dtype") if name in attributes}
     return jax.ffi.ffi_call(TARGET_NAME, results)(*operands, _key=np.int64(key), **attributes)
 
 

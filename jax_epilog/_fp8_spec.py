@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 from ._epilogs import Activation, aux_columns
 
-__all__ = ["FP8_DTYPES", "FP8_PAIRS", "FP8_ROW", "Fp8Spec", "check_fp8_buffers"]
+__all__ = ["FP8_DTYPES", "FP8_PAIRS", "FP8_ROW", "Fp8Spec", "check_fp8_buffers", "scaled_operands"]
 
 FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 # The operand pairs cuBLASLt multiplies (E5M2 x E5M2 is not one).
@@ -18,6 +18,17 @@ FP8_PAIRS = (
     ("float8_e5m2", "float8_e4m3fn"),
 )
 FP8_ROW = 16  # FP8 GEMMs need K and N (each matrix's row) a multiple of 16 elements
+
+
+def scaled_operands(epilog: str, d_dtype: str) -> tuple[str, ...]:
+    """An FP8 GEMM's operands after its two matrices, in call order: the scales, D's scale
+    (an FP8 D), the bias (an epilog with a bias input) and the DGELU input."""
+    return (
+        "p_scale", "q_scale",
+        *(["d_scale"] if d_dtype in FP8_DTYPES else []),
+        *(["bias"] if "BIAS" in epilog else []),  # (the BGRAD epilogs write theirs)
+        *(["aux"] if epilog.startswith("DGELU") else []),
+    )  # fmt: skip
 
 
 class Fp8Spec(NamedTuple):
@@ -55,7 +66,7 @@ class Fp8Spec(NamedTuple):
 
     @property
     def bias_in(self) -> bool:
-        return "BIAS" in self.epilog and "BGRAD" not in self.epilog
+        return "bias" in self.operands()
 
     @property
     def aux_out(self) -> bool:
@@ -71,12 +82,7 @@ class Fp8Spec(NamedTuple):
 
     def operands(self) -> tuple[str, ...]:
         """The custom call's operands, in order."""
-        return (
-            "p", "q", "p_scale", "q_scale",
-            *(["d_scale"] if self.d_fp8 else []),
-            *(["bias"] if self.bias_in else []),
-            *(["aux"] if self.aux_in else []),
-        )  # fmt: skip
+        return ("p", "q", *scaled_operands(self.epilog, self.d_dtype))
 
     def results(self) -> tuple[str, ...]:
         """The custom call's results, in order."""

@@ -18,7 +18,7 @@ import numpy as np
 
 from ._recipes import DenseState, TensorScale, fp8_max, next_scale, push_amax, scale_for
 
-__all__ = ["Quantized", "amax", "dequantize", "quantize", "quantize_tensor"]
+__all__ = ["Quantized", "amax", "dequantize", "quantize", "quantize_tensor", "saturate"]
 
 
 class Quantized(NamedTuple):
@@ -34,12 +34,16 @@ class Quantized(NamedTuple):
         return dequantize(self.data, self.scale, dtype)
 
 
-def quantize(x: jax.Array, dtype, scale: jax.Array) -> jax.Array:
-    """``x / scale`` in FP8 ``dtype``: float32 math, saturated to the finite range,
-    rounded to nearest even (ml_dtypes' and the GPU's rounding)."""
+def saturate(values: jax.Array, dtype) -> jax.Array:
+    """float32 ``values`` cast to FP8 ``dtype``, saturated to its finite range and rounded
+    to nearest even (ml_dtypes' and the GPU's rounding; ml_dtypes alone would give NaN)."""
     limit = np.float32(fp8_max(dtype))
-    inverse = 1.0 / scale.astype(jnp.float32)
-    return jnp.clip(x.astype(jnp.float32) * inverse, -limit, limit).astype(dtype)
+    return jnp.clip(values, -limit, limit).astype(dtype)
+
+
+def quantize(x: jax.Array, dtype, scale: jax.Array) -> jax.Array:
+    """``x / scale`` in FP8 ``dtype``: float32 math, then ``saturate``."""
+    return saturate(x.astype(jnp.float32) * (1.0 / scale.astype(jnp.float32)), dtype)
 
 
 def dequantize(q: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.Array:

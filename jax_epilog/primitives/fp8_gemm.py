@@ -17,6 +17,8 @@ is ``reference``: the same arithmetic in float32 (dequantize, GEMM, epilog, quan
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,12 +26,14 @@ from jax.interpreters import mlir
 
 from .. import _reference
 from .._epilogs import Activation, aux_columns
-from .._fp8_spec import FP8_DTYPES, FP8_ROW, Fp8Spec
+from .._fp8_spec import FP8_DTYPES, FP8_ROW, Fp8Spec, scaled_operands
+from .._padding import cut_to, pad_to
 from .._partition import Layout
 from .._policy import get_policy
 from .._typing import vary_alike
 from .._warnings import warn_once
 from ..cuda import ffi
+from ..fp8._quant import saturate
 from ._base import lower_fused_or_reference, new_primitive, register, symbolic
 
 __all__ = ["fp8_matmul", "fp8_matmul_p", "operand_names", "reference"]
@@ -38,13 +42,9 @@ fp8_matmul_p = new_primitive("fp8_matmul")
 
 
 def operand_names(problem: str, epilog: str, d_dtype) -> tuple[str, ...]:
+    """The primitive's operands: the problem's two matrices, then those of ``Fp8Spec``."""
     first = {"forward": ("x", "kernel"), "dgrad": ("dz", "kernel"), "wgrad": ("x", "dz")}[problem]
-    return (
-        *first, "p_scale", "q_scale",
-        *(["d_scale"] if np.dtype(d_dtype).name in FP8_DTYPES else []),
-        *(["bias"] if problem == "forward" and "BIAS" in epilog else []),
-        *(["aux"] if epilog.startswith("DGELU") else []),
-    )  # fmt: skip
+    return (*first, *scaled_operands(epilog, np.dtype(d_dtype).name))
 
 
 def fp8_matmul(*operands, problem: str, epilog: str, d_dtype, aux_dtype=None, amax: bool = True):
@@ -125,11 +125,7 @@ def _epilog(acc, ops, epilog, d_dtype, aux_dtype, amax):
         activation = next((act for act in Activation if epilog.startswith(act.name)), None)
         y = _reference.activate(z, activation)
     d_dtype = np.dtype(d_dtype)
-    if d_dtype.name in FP8_DTYPES:
-        limit = np.float32(float(jnp.finfo(d_dtype).max))
-        d = jnp.clip(y * f32(ops["d_scale"]), -limit, limit).astype(d_dtype)
-    else:
-        d = y.astype(d_dtype)
+    d = saturate(y * f32(ops["d_scale"]), d_dtype) if d_dtype.name in FP8_DTYPES else y.astype(d_dtype)
     out = [d]
     if amax:
         out.append(jnp.max(jnp.abs(y)))
@@ -141,11 +137,6 @@ def _epilog(acc, ops, epilog, d_dtype, aux_dtype, amax):
 
 def _round(size: int) -> int:
     return -(-size // FP8_ROW) * FP8_ROW
-
-
-def _pad(value, *sizes):
-    widths = [(0, want - have) for have, want in zip(value.shape, sizes, strict=True)]
-    return jnp.pad(value, widths) if any(w for _, w in widths) else value
 
 
 def _spec(avals, problem, epilog, d_dtype, aux_dtype, amax) -> Fp8Spec | None:
@@ -173,8 +164,13 @@ def _cuda(ctx, *args, problem, epilog, d_dtype, aux_dtype, amax):
     names = operand_names(problem, epilog, d_dtype)
     spec = _spec(ctx.avals_in, **params)
     m, n = ctx.avals_out[0].shape
-    refusal = None if spec is None else ffi.prepare(spec)
-    for alt, note in _alternatives(spec) if refusal is not None else ():
+    if spec is None:  # symbolic or empty sizes: XLA's documented cases
+        return lower_fused_or_reference(ctx, args, params, None, None, reference)
+    refusal = ffi.prepare(spec)
+    if refusal is None:
+        fused = lambda *values: _run(problem, dict(zip(names, values)), spec, m, n)
+        return mlir.lower_fun(fused, multiple_results=True)(ctx, *args)
+    for alt, note in _alternatives(spec):
         if ffi.prepare(alt) is None:
             warn_once(f"{refusal}; {note}")
 
@@ -186,9 +182,8 @@ def _cuda(ctx, *args, problem, epilog, d_dtype, aux_dtype, amax):
                 return _epilog(y[0].astype(jnp.float32), ops, epilog, d_dtype, aux_dtype, amax)
 
             return mlir.lower_fun(partly, multiple_results=True)(ctx, *args)
-
-    fused = lambda *values: _run(problem, dict(zip(names, values)), spec, m, n)
-    return lower_fused_or_reference(ctx, args, params, spec, fused, reference)
+    warn_once(refusal)
+    return mlir.lower_fun(functools.partial(reference, **params), multiple_results=True)(ctx, *args)
 
 
 def _alternatives(spec: Fp8Spec):
@@ -211,15 +206,17 @@ def _run(problem, ops, spec: Fp8Spec, m: int, n: int):
         results.append(jax.ShapeDtypeStruct((spec.m, spec.aux_ld), spec.aux_dtype))
     outs = _gemm(problem, ops, spec, results)
     width = aux_columns(Activation.GELU, n)
-    cut = [outs[0][:m, :n], *outs[1 : 1 + spec.amax], *(o[:m, :width] for o in outs[1 + spec.amax :])]
-    return cut
+    return [
+        cut_to(outs[0], m, n),
+        *outs[1 : 1 + spec.amax],
+        *(cut_to(o, m, width) for o in outs[1 + spec.amax :]),
+    ]
 
 
 def _quantized(outs, ops, d_dtype, amax):
     """A 16-bit D (and its aux) as the FP8 D, its amax and the aux."""
     y = outs[0].astype(jnp.float32)
-    limit = np.float32(float(jnp.finfo(d_dtype).max))
-    d = jnp.clip(y * ops["d_scale"].astype(jnp.float32), -limit, limit).astype(d_dtype)
+    d = saturate(y * ops["d_scale"].astype(jnp.float32), d_dtype)
     return [d, *([jnp.max(jnp.abs(y))] if amax else []), *outs[1:]]
 
 
@@ -227,7 +224,7 @@ def _gemm(problem, ops, spec: Fp8Spec, results):
     """The custom call for ``spec`` on the operands by name, padded and K-contiguous."""
     p, q = _gpu_operands(problem, ops, spec)
     names = (*spec.operands()[2:],)
-    padded = {"bias": lambda v: _pad(v, spec.n), "aux": lambda v: _pad(v, spec.m, spec.aux_ld)}
+    padded = {"bias": lambda v: pad_to(v, spec.n), "aux": lambda v: pad_to(v, spec.m, spec.aux_ld)}
     rest = [padded.get(name, lambda v: v)(ops[name]) for name in names]
     return ffi.call((p, q, *rest), results, spec)
 
@@ -235,10 +232,10 @@ def _gemm(problem, ops, spec: Fp8Spec, results):
 def _gpu_operands(problem, ops, spec: Fp8Spec):
     """P (M, K) and Q (N, K), K-contiguous, padded to the spec's sizes."""
     if problem == "forward":
-        return _pad(ops["x"], spec.m, spec.k), _pad(ops["kernel"].T, spec.n, spec.k)
+        return pad_to(ops["x"], spec.m, spec.k), pad_to(ops["kernel"].T, spec.n, spec.k)
     if problem == "dgrad":
-        return _pad(ops["dz"], spec.m, spec.k), _pad(ops["kernel"], spec.n, spec.k)
-    return _pad(ops["x"].T, spec.m, spec.k), _pad(ops["dz"].T, spec.n, spec.k)
+        return pad_to(ops["dz"], spec.m, spec.k), pad_to(ops["kernel"], spec.n, spec.k)
+    return pad_to(ops["x"].T, spec.m, spec.k), pad_to(ops["dz"].T, spec.n, spec.k)
 
 
 register(fp8_matmul_p, results=_results, layout=_layout, reference=reference, cuda=_cuda, batch=None)

@@ -94,13 +94,15 @@ def output_grad(dy, y, aux, layer: Layer) -> jax.Array:
     return dz
 
 
-def backward(dz, fwd_x: QuantizedTensor, fwd_kernel: QuantizedTensor, state: DenseState, dtypes):
+def backward(dz, fwd_x: QuantizedTensor, fwd_kernel: QuantizedTensor, state: DenseState, dtypes, aux=None):
     """(dx, dkernel, the grad's next TensorScale) from dz (M, N) in float32: one pass
-    quantizes dz to E5M2, then two FP8 GEMMs. ``dtypes``: (x's, kernel's)."""
+    quantizes dz to E5M2, then two FP8 GEMMs. ``dtypes``: (x's, kernel's). ``aux``: the
+    layer below's GELU input, whose derivative the input-gradient GEMM then applies (DGELU):
+    dx is then that layer's dz."""
     qdz = quantize_tensor(dz, state.grad, E5M2, state)
     (dx,) = fp8_matmul(
-        qdz.data, fwd_kernel.data, qdz.scale, fwd_kernel.scale, problem="dgrad", epilog="DEFAULT",
-        d_dtype=dtypes[0], amax=False,
+        qdz.data, fwd_kernel.data, qdz.scale, fwd_kernel.scale, *([] if aux is None else [aux]),
+        problem="dgrad", epilog="DEFAULT" if aux is None else "DGELU", d_dtype=dtypes[0], amax=False,
     )  # fmt: skip
     (dkernel,) = fp8_matmul(
         fwd_x.data, qdz.data, fwd_x.scale, qdz.scale, problem="wgrad", epilog="DEFAULT",

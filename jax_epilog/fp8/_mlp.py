@@ -18,10 +18,8 @@ import jax
 import jax.numpy as jnp
 
 from .._epilogs import Activation
-from ..primitives.fp8_gemm import fp8_matmul
 from ._dense import Forward, Layer, backward, forward, output_grad
-from ._quant import Quantized, quantize_tensor
-from ._recipes import E5M2
+from ._quant import Quantized
 
 __all__ = ["mlp"]
 
@@ -68,36 +66,18 @@ def _mlp_bwd(block, residuals, cotangents):
     for i in reversed(range(len(layers))):
         layer, state = layers[i], states[i]
         dbias = jnp.sum(dz.astype(jnp.float32), axis=0).astype(layer.bias_dtype) if layer.has_bias else None
-        if i == 0:
-            dx, dkernel, grad_state = backward(
-                dz, xs[0], kernels[0], state, (layer.x_dtype, layer.kernel_dtype)
-            )
-        else:
-            dz, dkernel, grad_state = _hidden_backward(dz, i, residuals, block)
+        # The layer below a GELU layer gets its dz from this layer's input-gradient GEMM.
+        linked = i > 0 and layers[i - 1].activation is Activation.GELU
+        dtypes = (layer.x_dtype, layer.kernel_dtype)
+        dh, dkernel, grad_state = backward(
+            dz, xs[i], kernels[i], state, dtypes, auxes[i - 1] if linked else None
+        )
         grads.append((dkernel, dbias))
         new_states[i] = dataclasses.replace(state, grad=grad_state)
+        if i > 0:
+            dz = dh.astype(jnp.float32) if linked else output_grad(dh, kept[i - 1], None, layers[i - 1])
     dkernels, dbiases = zip(*reversed(grads))
-    return dx, tuple(dkernels), tuple(dbiases), tuple(new_states)
-
-
-def _hidden_backward(dz, i, residuals, block):
-    """Layer i's kernel gradient and the dz of layer i - 1 (GELU's derivative applied in
-    the input-gradient GEMM's epilog)."""
-    auxes, kept, xs, kernels, states = residuals
-    layer, below = block.layers[i], block.layers[i - 1]
-    qdz = quantize_tensor(dz, states[i].grad, E5M2, states[i])
-    (dkernel,) = fp8_matmul(
-        xs[i].data, qdz.data, xs[i].scale, qdz.scale, problem="wgrad", epilog="DEFAULT",
-        d_dtype=jnp.float32, amax=False,
-    )  # fmt: skip
-    operands = [qdz.data, kernels[i].data, qdz.scale, kernels[i].scale]
-    linked = below.activation is Activation.GELU
-    (dh,) = fp8_matmul(
-        *operands, *([auxes[i - 1]] if linked else []), problem="dgrad",
-        epilog="DGELU" if linked else "DEFAULT", d_dtype=layer.x_dtype, amax=False,
-    )  # fmt: skip
-    dz_below = dh.astype(jnp.float32) if linked else output_grad(dh, kept[i - 1], None, below)
-    return dz_below, dkernel.astype(layer.kernel_dtype), qdz.state
+    return dh, tuple(dkernels), tuple(dbiases), tuple(new_states)
 
 
 mlp.defvjp(_mlp_fwd, _mlp_bwd)

@@ -268,6 +268,14 @@ def versions() -> dict:
     return info
 
 
+def write_listing(out: str | None, stem: str, lines: list[str]) -> None:
+    """OUT/STEM.md: ``lines`` as one preformatted block (nothing without ``out``)."""
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, f"{stem}.md"), "w") as fh:
+            fh.write("```\n" + "\n".join(lines) + "\n```\n")
+
+
 def write_results(out: str, stem: str, rows: list[dict], table: str) -> None:
     """OUT/STEM.json (``versions()`` and ``rows``) and OUT/STEM.md (``table``)."""
     os.makedirs(out, exist_ok=True)

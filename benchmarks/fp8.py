@@ -255,11 +255,16 @@ def measure(settings, scale: int = 1, only=None) -> list[dict]:
     return rows
 
 
+def _baseline(row: dict) -> float:
+    """µs of the row's baseline: XLA's bfloat16 program, or nvmath's GEMM for the GEMM row."""
+    return row["us"].get("xla bf16") or row["us"]["nvmath fp8 autotuned"]
+
+
 def render(rows: list[dict]) -> str:
     """The rows as a markdown table: µs and the ratio over XLA's bfloat16 program."""
     lines = ["| row | contender | µs | XLA bf16 µs / µs |", "|---|---|---|---|"]
     for row in rows:
-        base = row["us"].get("xla bf16") or row["us"].get("nvmath fp8 autotuned")
+        base = _baseline(row)
         for name, us in row["us"].items():
             lines.append(f"| {row['row']} | {name} | {us:.1f} | {base / us:.2f}× |")
         flags = row.get("flax_calls_fp8_gemm")
@@ -282,7 +287,7 @@ def plot(rows: list[dict], path: str) -> str:
     for j, name in enumerate(names):
         ratios = []
         for row in rows:
-            base = row["us"].get("xla bf16") or row["us"].get("nvmath fp8 autotuned")
+            base = _baseline(row)
             ratios.append(base / row["us"][name] if name in row["us"] else 0.0)
         ax.bar([i + j * width for i in range(len(rows))], ratios, width, label=name)
     ax.axhline(1.0, color="black", linewidth=0.8)
@@ -321,8 +326,7 @@ def main(argv=None):
 
 
 def _line(row) -> str:
-    us = row["us"]
-    base = us.get("xla bf16") or us.get("nvmath fp8 autotuned")
+    us, base = row["us"], _baseline(row)
     parts = [f"{n} {t:.0f}us ({base / t:.2f}x)" for n, t in us.items()]
     flag = row.get("flax_calls_fp8_gemm")
     extra = "" if flag is None else f" [XLA program calls an FP8 GEMM: {flag}]"

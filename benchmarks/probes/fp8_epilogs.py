@@ -16,13 +16,13 @@ E5M2 dz^T into float32 and bfloat16, with DEFAULT, BGRADA and BGRADB.
 from __future__ import annotations
 
 import argparse
-import os
 
 import cupy as cp
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.common import write_listing
 from jax_epilog._fp8_spec import Fp8Spec
 from jax_epilog.cuda.plan import Plan, current_device
 
@@ -124,10 +124,7 @@ def main(argv=None):
     for name, spec in specs():
         lines.append(f"{name:40s} {attempt(spec, rng)}")
         print(lines[-1], flush=True)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "fp8_epilogs.md"), "w") as fh:
-            fh.write("```\n" + "\n".join(lines) + "\n```\n")
+    write_listing(args.out, "fp8_epilogs", lines)
 
 
 if __name__ == "__main__":

@@ -16,8 +16,8 @@ Prints "ran" or the refusal, with the candidates' tuning µs (inf: that candidat
 from __future__ import annotations
 
 import argparse
-import os
 
+from benchmarks.common import write_listing
 from jax_epilog._epilogs import EpilogSpec
 from jax_epilog.cuda.plan import Plan, current_device
 
@@ -59,10 +59,7 @@ def main(argv=None):
     for name, spec in specs():
         lines.append(f"{name:52s} {attempt(spec)}")
         print(lines[-1], flush=True)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "refusals.md"), "w") as fh:
-            fh.write("```\n" + "\n".join(lines) + "\n```\n")
+    write_listing(args.out, "refusals", lines)
 
 
 if __name__ == "__main__":

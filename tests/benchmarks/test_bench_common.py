@@ -100,3 +100,12 @@ def test_write_results_and_ratio_tables(tmp_path):
         "|---|---|---|---|",
         "| 8x8 | 3.0 | 2.0 | 1.50× |",
     ]
+
+
+def test_a_listing_is_one_preformatted_block(tmp_path):
+    from benchmarks.common import write_listing
+
+    write_listing(None, "nothing", ["a"])  # no folder: nothing written
+    write_listing(str(tmp_path / "out"), "probe", ["# GPU", "problem  ran"])
+    assert (tmp_path / "out" / "probe.md").read_text() == "```\n# GPU\nproblem  ran\n```\n"
+    assert list(tmp_path.iterdir()) == [tmp_path / "out"]

@@ -3,6 +3,7 @@ its buffers in call order. Pure data, like ``_epilogs``: no nvmath, no GPU."""
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -111,6 +112,14 @@ class Fp8Spec(NamedTuple):
             *pointers[:3],
             *(p for p, name in zip(pointers[3:], names) if name in ("bias", "dbias", "aux")),
         )
+
+
+@functools.cache
+def _matrix_slots(spec: Fp8Spec) -> tuple[int, ...]:
+    """Where ``call_pointers`` puts the matrices (A, B, D, bias, aux), once per problem:
+    the FFI handler asks at every call."""
+    names = ("q", "p", "d", *spec.operands()[2:], *spec.results()[1:])
+    return tuple(i for i, name in enumerate(names) if name not in ("p_scale", "q_scale", "d_scale", "amax"))
 
 
 def check_fp8_buffers(operand_shapes, result_shapes, spec: Fp8Spec) -> None:

@@ -14,7 +14,7 @@ import numpy as np
 
 from ._checks import check_activation, check_implementation
 from ._epilogs import ComputeType
-from .fp8._recipes import CurrentScaling, DelayedScaling, DenseState, TensorScale
+from .fp8._recipes import DenseState, TensorScale, check_recipe
 
 __all__ = ["FP8_TENSORS", "check_fp8_recipe", "check_layer_options", "fp8_state", "resolve_compute_type"]
 
@@ -96,11 +96,7 @@ def check_layer_options(activation, implementation, owner: str) -> None:
 
 
 def check_fp8_recipe(recipe, owner: str) -> None:
-    if recipe is not None and not isinstance(recipe, DelayedScaling | CurrentScaling):
-        raise TypeError(
-            f"{owner}: fp8={recipe!r}; allowed: None, jax_epilog.fp8.DelayedScaling(...), "
-            "jax_epilog.fp8.CurrentScaling(...)."
-        )
+    check_recipe(recipe, owner, "fp8", none_allowed=True)
 
 
 def fp8_state(variable, recipe) -> DenseState:

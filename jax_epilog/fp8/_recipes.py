@@ -34,6 +34,7 @@ __all__ = [
     "DenseState",
     "Recipe",
     "TensorScale",
+    "check_recipe",
     "fp8_max",
     "init",
     "next_scale",
@@ -93,6 +94,17 @@ class CurrentScaling:
 Recipe = DelayedScaling | CurrentScaling
 
 
+def check_recipe(recipe, owner: str, name: str, none_allowed: bool = False) -> None:
+    """Raise TypeError unless ``recipe`` is a recipe (or None, where ``none_allowed``)."""
+    if (recipe is None and none_allowed) or isinstance(recipe, DelayedScaling | CurrentScaling):
+        return
+    allowed = "None, " if none_allowed else ""
+    raise TypeError(
+        f"{owner}: {name}={recipe!r}; allowed: {allowed}jax_epilog.fp8.DelayedScaling(...), "
+        "jax_epilog.fp8.CurrentScaling(...)."
+    )
+
+
 def _check_recipe(recipe, margin) -> None:
     if not isinstance(margin, int | float) or not np.isfinite(margin):
         raise ValueError(f"{type(recipe).__name__}: margin={margin!r}; allowed: a finite number.")
@@ -140,8 +152,7 @@ def init(recipe: Recipe | None = None) -> DenseState:
         y, state = jax_epilog.fused_dense(x, kernel, bias, activation="gelu", fp8=state)
     """
     recipe = DelayedScaling() if recipe is None else recipe
-    if not isinstance(recipe, DelayedScaling | CurrentScaling):
-        raise TypeError(f"fp8.init: recipe={recipe!r}; allowed: DelayedScaling(...), CurrentScaling(...).")
+    check_recipe(recipe, "fp8.init", "recipe")
     length = recipe.history_length
     return DenseState(*(_tensor(length) for _ in range(4)), recipe=recipe)
 

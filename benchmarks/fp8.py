@@ -110,24 +110,24 @@ def block_contenders(m, widths, activations, backward: bool):
     dy = jax.random.normal(keys[-1], (m, widths[-1]), BF16)
     out = {}
 
-    def with_vjp(f):  # f(x, params) -> y: returns y and every gradient for dy
+    # dy is an argument, not a constant of the program: XLA would fold the FP8 contenders'
+    # amax of a constant dy at compile time (minutes at these sizes).
+    def with_vjp(f):  # f(x, params) -> y: returns y, or every gradient for dy
         if not backward:
-            return f
-        return lambda x, p: jax.vjp(f, x, p)[1](dy)
+            return lambda x, p, dy: f(x, p)
+        return lambda x, p, dy: jax.vjp(f, x, p)[1](dy)
 
-    out["xla bf16"] = (jax.jit(with_vjp(lambda x, p: _plain(x, p, activations))), (x, layers))
-    # (every contender takes (x, something): the GEMMs-only one its own operands)
+    out["xla bf16"] = (jax.jit(with_vjp(lambda x, p: _plain(x, p, activations))), (x, layers, dy))
+    # (every contender takes (x, something, dy): the GEMMs-only one its own operands)
     for label, recipe in (
         ("ours fp8 delayed", fp8.DelayedScaling()),
         ("ours fp8 current", fp8.CurrentScaling()),
     ):
         run, init = _ours(recipe)
-        states = init(len(layers))
-        if backward:
-            f = lambda x, p, run=run: jax.vjp(lambda x, p: run(x, p[0], p[1], activations)[0], x, p)[1](dy)
-        else:
-            f = lambda x, p, run=run: run(x, p[0], p[1], activations)
-        out[label] = (jax.jit(f), (x, (layers, states)))
+        block = lambda x, p, run=run: run(x, p[0], p[1], activations)
+        # forward: y and the updated state; backward: every gradient (the state's included)
+        f = with_vjp(lambda x, p, block=block: block(x, p)[0]) if backward else with_vjp(block)
+        out[label] = (jax.jit(f), (x, (layers, init(len(layers))), dy))
     out["fp8 gemms only"] = _gemms_only(m, widths, backward)
     calls_fp8 = {}
     for label, op in (
@@ -141,7 +141,7 @@ def block_contenders(m, widths, activations, backward: bool):
         # The same weights as the other contenders.
         variables["params"] = {f"Dense_{i}": {"kernel": w, "bias": b} for i, (w, b) in enumerate(layers)}
         flax_f = _quietly(lambda x, v, model=model: model.apply(v, x))
-        out[label] = (jax.jit(with_vjp(flax_f)), (x, variables))
+        out[label] = (jax.jit(with_vjp(flax_f)), (x, variables, dy))
         calls_fp8[label] = _calls_fp8_gemm(flax_f, x, variables)
     return out, calls_fp8
 
@@ -181,7 +181,7 @@ def _gemms_only(m, widths, backward):
                 outs.append(gemm(ops["x_t"], ops["dz_t"], jnp.float32))  # dw = x^T @ dz
         return outs
 
-    return jax.jit(run), (layers,)
+    return jax.jit(lambda layers, _, __: run(layers)), (layers, None, None)
 
 
 def time_block(name, m, widths, activations, backward, settings):
@@ -237,13 +237,17 @@ ROWS = (  # (kind, rows, widths, activations, backward)
 )
 
 
+def row_name(kind, m, widths, *_) -> str:
+    return f"{kind} {m}x{'->'.join(map(str, widths))} gelu"
+
+
 def measure(settings, scale: int = 1, only=None) -> list[dict]:
     """Every FP8 row (sizes divided by ``scale``; ``only``: row names containing one of
     these), printed as each is measured."""
     rows = []
     for kind, m, widths, acts, backward in ROWS:
         m, widths = m // scale, tuple(w // scale for w in widths)
-        name = f"{kind} {m}x{'->'.join(map(str, widths))} gelu"
+        name = row_name(kind, m, widths)
         if only and not any(o in name for o in only):
             continue
         start = time.time()
@@ -291,7 +295,8 @@ def plot(rows: list[dict], path: str) -> str:
             ratios.append(base / row["us"][name] if name in row["us"] else 0.0)
         ax.bar([i + j * width for i in range(len(rows))], ratios, width, label=name)
     ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(rows))], [r["row"] for r in rows], fontsize=7)
+    labels = [r["row"].replace(" 8192x", "\n8192x").replace(" gelu", "") for r in rows]
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(rows))], labels, fontsize=7)
     ax.set_ylabel("baseline µs / µs (XLA bf16; nvmath for the GEMM)")
     ax.legend(fontsize=7)
     fig.tight_layout()

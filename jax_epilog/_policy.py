@@ -106,6 +106,16 @@ class Policy:
         "FP8 problems ('forward', 'dgrad', 'wgrad') accumulated in the tensor cores' fast mode",
         "fp8-fast-accum",
     )
+    fp8_wgrad_in_xla: bool = _field(
+        True,
+        "the FP8 kernel gradient (x^T dz, no epilog) is XLA's own FP8 GEMM, not the custom call",
+        "fp8-wgrad",
+    )
+    fp8_dgelu: bool = _field(
+        False,
+        "fused_mlp in FP8 applies GELU's derivative in the input-gradient GEMM (DGELU epilog)",
+        "fp8-dgelu",
+    )
     # Replay of one-GEMM CUDA graphs outside XLA's command buffers.
     replay: bool = _field(
         _env_flag("JAX_EPILOG_REPLAY"),

@@ -13,6 +13,7 @@ call. Under stream capture (XLA recording a command buffer) nothing is replayed.
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Callable
 
 import cupy as cp
@@ -61,7 +62,12 @@ class Replayer:
     def _external(self, stream: int) -> cp.cuda.ExternalStream:
         if len(self._streams) >= _SEEN_BOUND:
             self._streams.clear()
-        ext = self._streams[stream] = cp.cuda.ExternalStream(stream, self._device_id)
+        with warnings.catch_warnings():
+            # Newer CuPy deprecates ExternalStream for Stream.from_external, which wants an
+            # object speaking the CUDA stream protocol; XLA hands the handler a bare handle.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            ext = cp.cuda.ExternalStream(stream, self._device_id)
+        self._streams[stream] = ext
         return ext
 
     def _seen_again(self, key: tuple[int, ...]) -> cp.cuda.graph.Graph | None:

@@ -12,13 +12,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import _reference
 from .._epilogs import Activation, epilog_name
 from ..primitives.fp8_gemm import fp8_matmul
 from ._quant import Quantized, QuantizedTensor, quantize_tensor
-from ._recipes import E4M3, E5M2, DenseState, next_scale, push_amax
+from ._recipes import E4M3, E5M2, DenseState, TensorScale, next_scale, push_amax
 
-__all__ = ["Layer", "backward", "dense", "epilog_dtypes", "forward", "output_grad"]
+__all__ = ["Backward", "Layer", "backward", "dense", "epilog_dtypes", "forward", "output_grad"]
 
 
 class Layer(NamedTuple):
@@ -83,32 +82,57 @@ def forward(x, kernel, bias, state: DenseState, layer: Layer, with_aux: bool) ->
     return Forward(y, aux, qx, qk, out_scale, new)
 
 
+_SQRT_2_OVER_PI = float(np.sqrt(2.0 / np.pi))
+
+
+def gelu_slope(z: jax.Array) -> jax.Array:
+    """d/dz of the tanh GELU (cuBLASLt's), written out with one tanh so that XLA forms
+    dy * gelu'(z) in one elementwise pass."""
+    t = jnp.tanh(_SQRT_2_OVER_PI * (z + 0.044715 * z**3))
+    return 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + 3 * 0.044715 * z * z)
+
+
 def output_grad(dy, y, aux, layer: Layer) -> jax.Array:
-    """dz = dy * act'(z) in float32: GELU's derivative at the aux, ReLU's where y > 0."""
-    dz = dy.astype(jnp.float32)
+    """dz = dy * act'(z), in float32 math rounded once to dy's dtype (the E5M2 pass that
+    reads it keeps two mantissa bits): GELU's derivative at the aux, ReLU's where y > 0."""
     if layer.activation is Activation.RELU:
-        return jnp.where(y > 0, dz, 0.0)
+        return jnp.where(y > 0, dy, jnp.zeros((), dy.dtype))
     if layer.activation is Activation.GELU:
         z = aux[:, : dy.shape[1]].astype(jnp.float32)
-        return jax.vjp(lambda v: _reference.activate(v, Activation.GELU), z)[1](dz)[0]
-    return dz
+        return (dy.astype(jnp.float32) * gelu_slope(z)).astype(dy.dtype)
+    return dy
 
 
-def backward(dz, fwd_x: QuantizedTensor, fwd_kernel: QuantizedTensor, state: DenseState, dtypes, aux=None):
-    """(dx, dkernel, the grad's next TensorScale) from dz (M, N) in float32: one pass
-    quantizes dz to E5M2, then two FP8 GEMMs. ``dtypes``: (x's, kernel's). ``aux``: the
-    layer below's GELU input, whose derivative the input-gradient GEMM then applies (DGELU):
-    dx is then that layer's dz."""
-    qdz = quantize_tensor(dz, state.grad, E5M2, state)
+class Backward(NamedTuple):
+    dx: jax.Array
+    dkernel: jax.Array
+    dbias: jax.Array | None
+    grad: TensorScale  # the gradient's next scaling state
+
+
+def backward(
+    dz, fwd_x: QuantizedTensor, fwd_kernel: QuantizedTensor, state: DenseState, layer: Layer, aux=None
+):
+    """The layer's gradients from dz (M, N): one reduction pass gives the bias gradient and
+    dz's amax, one pass quantizes dz to E5M2, then two FP8 GEMMs. ``aux``: the layer below's
+    GELU input, whose derivative the input-gradient GEMM then applies (DGELU): dx is then
+    that layer's dz."""
+    # Both reduce over rows: XLA can compute them in one pass over dz.
+    wide = dz.astype(jnp.float32)
+    dbias = jnp.sum(wide, axis=0).astype(layer.bias_dtype) if layer.has_bias else None
+    seen = jnp.max(jnp.max(jnp.abs(wide), axis=0))
+    qdz = quantize_tensor(dz, state.grad, E5M2, state, seen)
     (dx,) = fp8_matmul(
         qdz.data, fwd_kernel.data, qdz.scale, fwd_kernel.scale, *([] if aux is None else [aux]),
-        problem="dgrad", epilog="DEFAULT" if aux is None else "DGELU", d_dtype=dtypes[0], amax=False,
+        problem="dgrad", epilog="DEFAULT" if aux is None else "DGELU", d_dtype=layer.x_dtype, amax=False,
     )  # fmt: skip
+    # The GEMM writes a bfloat16 or float32 kernel gradient itself; others are cast from float32.
+    direct = np.dtype(layer.kernel_dtype) in (np.dtype(jnp.bfloat16), np.dtype(np.float32))
     (dkernel,) = fp8_matmul(
         fwd_x.data, qdz.data, fwd_x.scale, qdz.scale, problem="wgrad", epilog="DEFAULT",
-        d_dtype=jnp.float32, amax=False,
+        d_dtype=layer.kernel_dtype if direct else jnp.float32, amax=False,
     )  # fmt: skip
-    return dx, dkernel.astype(dtypes[1]), qdz.state
+    return Backward(dx, dkernel.astype(layer.kernel_dtype), dbias, qdz.state)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -128,9 +152,8 @@ def _dense_fwd(x, kernel, bias, state, layer):
 def _dense_bwd(layer, residuals, cotangents):
     aux, y, qx, qk, new_state = residuals
     dz = output_grad(cotangents[0], y, aux, layer)
-    dbias = jnp.sum(dz, axis=0).astype(layer.bias_dtype) if layer.has_bias else None
-    dx, dkernel, grad_state = backward(dz, qx, qk, new_state, (layer.x_dtype, layer.kernel_dtype))
-    return dx, dkernel, dbias, dataclasses.replace(new_state, grad=grad_state)
+    grads = backward(dz, qx, qk, new_state, layer)
+    return grads.dx, grads.dkernel, grads.dbias, dataclasses.replace(new_state, grad=grads.grad)
 
 
 dense.defvjp(_dense_fwd, _dense_bwd)

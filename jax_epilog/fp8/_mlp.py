@@ -3,9 +3,11 @@
 A hidden layer's GEMM applies bias and activation, scales the result by the output's
 delayed scale and writes it as E4M3 straight into the buffer the next GEMM reads, with the
 amax of what it wrote for the next step's scale, and (GELU) its input z in bfloat16 for the
-backward: no activation or quantize kernel between the GEMMs. In the backward a GELU
-layer's derivative is applied in the next layer's input-gradient GEMM (DGELU epilog,
-reading that aux), and each dz is quantized to E5M2 once for both of its layer's GEMMs.
+backward: no activation or quantize kernel between the GEMMs. In the backward each dz is
+formed in one XLA pass (dy times the activation's derivative at the aux) and quantized to
+E5M2 once for both of its layer's GEMMs. cuBLASLt can apply GELU's derivative in the next
+layer's input-gradient GEMM instead (DGELU epilog, ``Policy.fp8_dgelu``), but with FP8
+operands it runs that epilog as a separate, slower kernel: see docs/decisions.md.
 """
 
 from __future__ import annotations
@@ -15,9 +17,9 @@ import functools
 from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 
 from .._epilogs import Activation
+from .._policy import get_policy
 from ._dense import Forward, Layer, backward, forward, output_grad
 from ._quant import Quantized
 
@@ -63,21 +65,19 @@ def _mlp_bwd(block, residuals, cotangents):
     layers = block.layers
     dz = output_grad(cotangents[0], kept[-1], auxes[-1], layers[-1])
     grads, new_states = [], list(states)
+    dgelu = get_policy().fp8_dgelu
     for i in reversed(range(len(layers))):
         layer, state = layers[i], states[i]
-        dbias = jnp.sum(dz.astype(jnp.float32), axis=0).astype(layer.bias_dtype) if layer.has_bias else None
-        # The layer below a GELU layer gets its dz from this layer's input-gradient GEMM.
-        linked = i > 0 and layers[i - 1].activation is Activation.GELU
-        dtypes = (layer.x_dtype, layer.kernel_dtype)
-        dh, dkernel, grad_state = backward(
-            dz, xs[i], kernels[i], state, dtypes, auxes[i - 1] if linked else None
-        )
-        grads.append((dkernel, dbias))
-        new_states[i] = dataclasses.replace(state, grad=grad_state)
+        # With the DGELU policy the layer below a GELU layer gets its dz from this layer's
+        # input-gradient GEMM; otherwise XLA applies the derivative in dz's own pass.
+        linked = dgelu and i > 0 and layers[i - 1].activation is Activation.GELU
+        g = backward(dz, xs[i], kernels[i], state, layer, auxes[i - 1] if linked else None)
+        grads.append((g.dkernel, g.dbias))
+        new_states[i] = dataclasses.replace(state, grad=g.grad)
         if i > 0:
-            dz = dh.astype(jnp.float32) if linked else output_grad(dh, kept[i - 1], None, layers[i - 1])
+            dz = g.dx if linked else output_grad(g.dx, kept[i - 1], auxes[i - 1], layers[i - 1])
     dkernels, dbiases = zip(*reversed(grads))
-    return dh, tuple(dkernels), tuple(dbiases), tuple(new_states)
+    return g.dx, tuple(dkernels), tuple(dbiases), tuple(new_states)
 
 
 mlp.defvjp(_mlp_fwd, _mlp_bwd)

@@ -63,11 +63,11 @@ class QuantizedTensor(NamedTuple):
     state: TensorScale
 
 
-def quantize_tensor(x: jax.Array, state: TensorScale, dtype, owner: DenseState) -> QuantizedTensor:
+def quantize_tensor(x: jax.Array, state: TensorScale, dtype, owner: DenseState, seen=None) -> QuantizedTensor:
     """Quantize a tensor under ``owner``'s recipe: delayed scaling takes the scale from
     ``state``'s history and records this tensor's amax in the same pass; current scaling
-    reads the tensor for its amax first."""
-    seen = amax(x)
+    reads the tensor for its amax first. ``seen``: x's amax where the caller has it."""
+    seen = amax(x) if seen is None else seen
     if owner.current:
         scale = scale_for(seen, state.scale, dtype, owner.recipe.margin)
     else:

@@ -1,8 +1,8 @@
 """``fp8_matmul_p``: one FP8 GEMM with per-tensor scales, its epilog and the amax of D.
 
 Three problems, each in its operands' natural layouts (the GPU lowering makes the
-K-contiguous copies cuBLASLt needs on Hopper: transposes of FP8 data, one byte an element,
-which XLA fuses into the pass that quantized them where it can):
+K-contiguous copies cuBLASLt needs on Hopper: transposes of FP8 data, one byte an element;
+the kernel gradient is by default XLA's own FP8 GEMM, see ``_xla_wgrad``):
 
 * ``"forward"``: x (M, K), kernel (K, N), x_scale, kernel_scale[, d_scale][, bias (N,)]
   -> y = act(x_scale * kernel_scale * x @ kernel + bias) (M, N)[, amax][, aux (M, round_up(N, 8))].
@@ -166,6 +166,10 @@ def _cuda(ctx, *args, problem, epilog, d_dtype, aux_dtype, amax):
     m, n = ctx.avals_out[0].shape
     if spec is None:  # symbolic or empty sizes: XLA's documented cases
         return lower_fused_or_reference(ctx, args, params, None, None, reference)
+    if problem == "wgrad" and get_policy().fp8_wgrad_in_xla:
+        return mlir.lower_fun(functools.partial(_xla_wgrad, d_dtype=d_dtype), multiple_results=True)(
+            ctx, *args
+        )
     refusal = ffi.prepare(spec)
     if refusal is None:
         fused = lambda *values: _run(problem, dict(zip(names, values)), spec, m, n)
@@ -184,6 +188,16 @@ def _cuda(ctx, *args, problem, epilog, d_dtype, aux_dtype, amax):
             return mlir.lower_fun(partly, multiple_results=True)(ctx, *args)
     warn_once(refusal)
     return mlir.lower_fun(functools.partial(reference, **params), multiple_results=True)(ctx, *args)
+
+
+def _xla_wgrad(x, dz, x_scale, dz_scale, *, d_dtype):
+    """x^T dz by XLA's own FP8 GEMM. The kernel gradient has no epilog to fuse but needs
+    both operands transposed (Hopper's FP8 GEMM reads K-contiguous operands only, and here
+    K is the rows): XLA transposes the FP8 bytes after its fusion decisions, whereas a
+    transpose written into this lowering is moved by XLA's simplifier into the passes that
+    produce x and dz, which then run transposed (several times slower)."""
+    acc = jax.lax.dot_general(x, dz, (((0,), (0,)), ((), ())), preferred_element_type=d_dtype)
+    return [(acc.astype(jnp.float32) * (x_scale * dz_scale)).astype(d_dtype)]
 
 
 def _alternatives(spec: Fp8Spec):

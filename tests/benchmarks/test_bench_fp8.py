@@ -49,3 +49,30 @@ def test_rows_render_as_ratios_over_xla_and_plot(tmp_path):
     assert "flax fp8 qdq (xla): yes" in table
     pytest.importorskip("matplotlib")
     assert (tmp_path / "fp8.png").samefile(bench.plot(rows, str(tmp_path / "fp8.png")))
+
+
+def test_kernel_times_sum_the_gpu_streams_per_step():
+    from benchmarks.kernel_times import kernel_times, render
+
+    meta = lambda pid, tid, kind, name: {
+        "ph": "M",
+        "pid": pid,
+        "tid": tid,
+        "name": kind,
+        "args": {"name": name},
+    }
+    run = lambda pid, tid, name, dur: {"ph": "X", "pid": pid, "tid": tid, "name": name, "dur": dur}
+    trace = {
+        "traceEvents": [
+            meta(1, 0, "process_name", "/device:GPU:0"), meta(2, 0, "process_name", "/host:CPU"),
+            meta(1, 7, "thread_name", "Stream #14(Compute)"), meta(1, 8, "thread_name", "XLA Ops"),
+            run(1, 7, "gemm", 300.0), run(1, 7, "gemm", 100.0), run(1, 7, "fusion", 50.0),
+            run(1, 8, "gemm", 999.0), run(2, 0, "gemm", 999.0),  # (an op's span; the host)
+        ]
+    }  # fmt: skip
+    times = kernel_times(trace, steps=2)
+    assert times == {"gemm": 200.0, "fusion": 25.0}
+    assert render("row", times).splitlines()[:2] == [
+        "row: 225 µs of kernels per step",
+        "      200.0 µs  gemm",
+    ]

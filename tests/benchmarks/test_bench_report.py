@@ -180,22 +180,29 @@ def test_forward_report_renders_single_layers_and_chains(tmp_path):
     assert "75.0 / 99.0 | 1.32×" in table and "70.0 / 91.0 | 1.30×" in table and "| 4 / 400 |" in table
 
 
+SUITE_FILES = {"RUN.md", "suite.json", "suite.md", "suite-tflops.png", "suite-speedup.png"}
+FP8_FILES = {"fp8.json", "fp8.md", "fp8.png", "train-fp8.txt", "train-fp8.png"}  # (an FP8 run)
+
+
 @pytest.mark.parametrize("gpu", ["nvidia-h200", "nvidia-h100-80gb-hbm3"])
 def test_kept_suite_runs_are_whole_and_their_tables_are_their_json(gpu):
     folder = BENCHMARKS / "results" / gpu
-    assert {p.name for p in folder.iterdir()} == {
-        "RUN.md",
-        "suite.json",
-        "suite.md",
-        "suite-tflops.png",
-        "suite-speedup.png",
-    }
+    names = {p.name for p in folder.iterdir()}
+    assert names in (SUITE_FILES, SUITE_FILES | FP8_FILES)
     results = json.loads((folder / "suite.json").read_text())
     assert suite_report.gpu_slug(results["versions"]["gpu"]) == gpu
     assert results["command"][:4] == ["python", "-m", "benchmarks.run", "--quick"]
     assert suite_report.render_markdown(results) == (folder / "suite.md").read_text()
     note = (folder / "RUN.md").read_text()
     assert f"- Date: {results['date']}" in note and "- Command: `python -m benchmarks.run --quick" in note
+    if FP8_FILES <= names:
+        from benchmarks import fp8
+
+        record = json.loads((folder / "fp8.json").read_text())
+        assert suite_report.gpu_slug(record["device"]) == gpu
+        want = f"FP8 rows on {record['device']}, jax {record['jax']}\n\n{fp8.render(record['rows'])}\n"
+        assert (folder / "fp8.md").read_text() == want
+        assert "`python -m benchmarks.fp8 --quick" in note and "--size large --fp8" in note
 
 
 def test_results_keep_the_latest_run_per_gpu_and_benchmarks_stay_small():
@@ -204,12 +211,6 @@ def test_results_keep_the_latest_run_per_gpu_and_benchmarks_stay_small():
     assert {"nvidia-h100-80gb-hbm3", "nvidia-h200"} <= {p.name for p in results.iterdir()}
     for folder in results.iterdir():
         assert folder.is_dir() and folder.name == suite_report.gpu_slug(folder.name), folder
-        assert {p.name for p in folder.iterdir()} <= {
-            "RUN.md",
-            "suite.json",
-            "suite.md",
-            "suite-tflops.png",
-            "suite-speedup.png",
-        }
+        assert {p.name for p in folder.iterdir()} <= SUITE_FILES | FP8_FILES
     files = [p for p in BENCHMARKS.rglob("*") if p.is_file() and "__pycache__" not in p.parts]
     assert sum(p.stat().st_size for p in files) < 3 << 20

@@ -200,16 +200,28 @@ def test_column_parallel_kernel_and_split_rows_match_one_device(rng):
     np.testing.assert_array_equal(np.asarray(s4.output.amax_history), np.asarray(s1.output.amax_history))
 
 
-def test_the_gpu_program_is_three_fp8_gemms_with_k_and_n_padded_to_16(rng, cublaslt_accepts):
+@pytest.mark.parametrize("wgrad_in_xla", [True, False])
+def test_the_gpu_program_is_three_fp8_gemms_with_k_and_n_padded_to_16(rng, cublaslt_accepts, wgrad_in_xla):
     import re
 
     from helpers import cuda_text, custom_calls
 
     x, w, b = _inputs(rng, 37, 24, 40)
     loss = lambda x, w, b, s: _loss(x, w, b, s, "gelu")
-    text = cuda_text(jax.grad(loss, argnums=(0, 1, 2, 3)), x, w, b, fp8.init())
+    with je.override_policy(fp8_wgrad_in_xla=wgrad_in_xla):
+        text = cuda_text(jax.grad(loss, argnums=(0, 1, 2, 3)), x, w, b, fp8.init())
     calls = custom_calls(text)
     sizes = [tuple(int(re.search(rf"\b{d} = (\d+)", c)[1]) for d in "mnk") for c in calls]
-    assert [re.search(r'epilog = "(\w+)"', c)[1] for c in calls] == ["GELU_AUX_BIAS", "DEFAULT", "DEFAULT"]
-    assert sizes == [(37, 48, 32), (37, 32, 48), (24, 48, 48)]  # forward, dgrad, wgrad (its K: the rows)
-    assert "stablehlo.dot_general" not in text
+    dots = re.findall(r"stablehlo.dot_general.*", text)
+    if wgrad_in_xla:  # the kernel gradient: XLA's FP8 GEMM on the E4M3 x and the E5M2 dz
+        assert [re.search(r'epilog = "(\w+)"', c)[1] for c in calls] == ["GELU_AUX_BIAS", "DEFAULT"]
+        assert sizes == [(37, 48, 32), (37, 32, 48)]  # forward, dgrad
+        assert len(dots) == 1 and "37x24xf8E4M3FN" in dots[0] and "37x40xf8E5M2" in dots[0]
+    else:
+        assert [re.search(r'epilog = "(\w+)"', c)[1] for c in calls] == [
+            "GELU_AUX_BIAS",
+            "DEFAULT",
+            "DEFAULT",
+        ]
+        assert sizes == [(37, 48, 32), (37, 32, 48), (24, 48, 48)]  # forward, dgrad, wgrad (K: the rows)
+        assert not dots

@@ -42,12 +42,14 @@ def test_chain_equals_layers_with_an_fp8_output_between(rng, hidden):
     np.testing.assert_array_equal(np.asarray(new[1].x.amax_history), np.asarray(new[0].output.amax_history))
 
 
-def test_gradients_follow_float32_and_update_every_grad_scale(rng):
+@pytest.mark.parametrize("dgelu", [False, True])
+def test_gradients_follow_float32_and_update_every_grad_scale(rng, dgelu):
     x, layers = _block(rng, m=3 * 21)
     x = x.reshape(3, 21, -1)
     loss = lambda x, p, s: jnp.sum(je.fused_mlp(x, p, ["gelu", None], fp8=s)[0].astype(jnp.float32) ** 2)
-    states = jax.grad(loss, argnums=2)(x, layers, _states(2))
-    gx, gp, gs = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, layers, states)
+    with je.override_policy(fp8_dgelu=dgelu):
+        states = jax.grad(loss, argnums=2)(x, layers, _states(2))
+        gx, gp, gs = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, layers, states)
 
     def exact(x, p):
         h = x.astype(jnp.float32)
@@ -73,16 +75,20 @@ def test_bad_states_raise(rng):
         je.fused_mlp(x, layers, ["gelu", None], fp8=(fp8.init(), "x"))
 
 
-def test_the_gpu_program_is_six_fp8_gemms_and_no_other_gemm(rng, cublaslt_accepts):
-    """On a GPU a two-layer FP8 block's step is its six FP8 GEMMs (the chain's first one
-    writing GELU's output in E4M3 with the aux; its input gradient applying GELU's
-    derivative); nothing computes a product in XLA."""
+@pytest.mark.parametrize("dgelu", [False, True])
+def test_the_gpu_program_is_six_fp8_gemms_and_no_other_gemm(rng, cublaslt_accepts, dgelu):
+    """On a GPU a two-layer FP8 block's step is its six FP8 GEMMs: four custom calls (the
+    chain's first one writing GELU's output in E4M3 with the aux; with ``fp8_dgelu`` an
+    input gradient applying GELU's derivative) and the kernel gradients, XLA's FP8 GEMMs."""
     x, layers = _block(rng, m=64, widths=(48, 80, 32))
     loss = lambda x, p, s: jnp.sum(je.fused_mlp(x, p, ["gelu", None], fp8=s)[0].astype(jnp.float32) ** 2)
-    text = cuda_text(jax.grad(loss, argnums=(0, 1, 2)), x, layers, _states(2))
+    with je.override_policy(fp8_dgelu=dgelu):
+        text = cuda_text(jax.grad(loss, argnums=(0, 1, 2)), x, layers, _states(2))
     calls = custom_calls(text)
     epilogs = [re.search(r'epilog = "(\w+)"', call)[1] for call in calls]
     d_dtypes = [re.search(r'd_dtype = "(\w+)"', call)[1] for call in calls]
-    assert sorted(epilogs) == sorted(["GELU_AUX_BIAS", "BIAS", "DEFAULT", "DEFAULT", "DEFAULT", "DGELU"])
+    last = "DGELU" if dgelu else "DEFAULT"
+    assert sorted(epilogs) == sorted(["GELU_AUX_BIAS", "BIAS", "DEFAULT", last])
     assert d_dtypes[epilogs.index("GELU_AUX_BIAS")] == "float8_e4m3fn"
-    assert "stablehlo.dot_general" not in text
+    dots = re.findall(r"stablehlo.dot_general.*", text)
+    assert len(dots) == 2 and all("xf8E4M3FN" in d and "xf8E5M2" in d for d in dots)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from helpers import ON_GPU, TWINS
 
+import jax_epilog as je
 from jax_epilog import fp8
 from jax_epilog.primitives.fp8_gemm import fp8_matmul, operand_names, reference
 
@@ -112,7 +113,8 @@ def _all_cases(rng, m, k, n):
 def test_cuda_lowering_pads_to_16_and_makes_k_contiguous_copies(rng, reference_calls):
     for ops, params in _all_cases(rng, 45, 37, 29):
         call = jax.jit(functools.partial(fp8_matmul, **params))
-        fused = call(*ops)  # the CUDA lowering, its custom call from the emulation
+        with je.override_policy(fp8_wgrad_in_xla=False):
+            fused = call(*ops)  # the CUDA lowering, its custom call from the emulation
         spec = reference_calls[-1]
         assert spec.n % 16 == 0 and spec.k % 16 == 0 and spec.problem == "fp8"
         assert len(ops) == len(operand_names(params["problem"], params["epilog"], params["d_dtype"]))
@@ -124,6 +126,19 @@ def test_cuda_lowering_pads_to_16_and_makes_k_contiguous_copies(rng, reference_c
             np.testing.assert_allclose(
                 np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=rtol, atol=1e-5
             )
+
+
+def test_the_kernel_gradient_as_xlas_fp8_gemm_is_the_emulation(rng):
+    from jax_epilog.primitives.fp8_gemm import _xla_wgrad
+
+    ops, params = next(c for c in _all_cases(rng, 45, 37, 29) if c[1]["problem"] == "wgrad")
+    for d_dtype in (jnp.float32, jnp.bfloat16):
+        (got,) = jax.jit(functools.partial(_xla_wgrad, d_dtype=d_dtype))(*ops)
+        (want,) = reference(*ops, **(params | {"d_dtype": d_dtype, "aux_dtype": None}))
+        assert got.dtype == want.dtype and got.shape == want.shape == (37, 29)
+        np.testing.assert_allclose(
+            np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2**-7, atol=1e-5
+        )
 
 
 @pytest.mark.gpu
@@ -143,7 +158,13 @@ def test_gpu_matches_the_emulation_within_one_e4m3_ulp(rng, m, k, n, fresh_warni
             top = np.abs(b).max()
             if params["d_dtype"] is fp8.E4M3 and a.ndim:  # one E4M3 ulp at each value
                 ulp = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(b), 2**-6))) - 3)
-                assert np.all(np.abs(a - b) <= ulp), params
+                if "BIAS" in params["epilog"]:
+                    # Where the bias cancels the product, cuBLASLt's result is off the
+                    # float32 emulation by about one 16-bit step of the product (its epilog
+                    # adds the bias in the bias's type): up to 2^-8 of the largest value.
+                    ulp = np.maximum(ulp, 2**-8 * top)
+                off = np.abs(a - b) > ulp
+                assert not off.any(), (params, off.sum(), a[off][:8], b[off][:8])
             else:
                 assert np.abs(a - b).max() <= 2**-7 * top + 1e-6, params
 
@@ -177,7 +198,7 @@ def test_a_refused_problem_runs_the_nearest_one_and_the_rest_in_xla(
         if not refuses(probe):
             continue
         _warnings.warn_once.cache_clear()  # (one warning per reason)
-        with pytest.warns(FastPathWarning, match=warning):
+        with pytest.warns(FastPathWarning, match=warning), je.override_policy(fp8_wgrad_in_xla=False):
             fused = jax.jit(functools.partial(fp8_matmul, **params))(*ops)
         assert not refuses(reference_calls[-1])
         assert runs is None or reference_calls[-1].epilog == runs

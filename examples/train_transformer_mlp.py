@@ -13,6 +13,7 @@ same batches; the script reports each one's loss and the median step time (measu
     python examples/train_transformer_mlp.py                 # small: a CPU, under a minute
     python examples/train_transformer_mlp.py --size large    # d_model 1024, 4 blocks, 8192 tokens/step
     python examples/train_transformer_mlp.py --size large --fp8   # + FP8: ours and Flax's
+    python examples/train_transformer_mlp.py --size large --devices 8   # data parallel, 8 devices
 
 ``--fp8`` trains four models step by step in turn (interleaved, with a progress bar):
 ``nn.Dense`` and ``FusedMLP`` in bfloat16, ``FusedMLP(fp8=DelayedScaling())`` and
@@ -20,6 +21,11 @@ same batches; the script reports each one's loss and the median step time (measu
 curves into one PNG (``--plot``). Their FP8 scaling state lives in Flax's
 ``_overwrite_with_gradient`` collection; the train step overwrites it with its gradient,
 as Flax's ``TrainState`` does. On a CPU the FP8 layers run emulated: no FP8 kernel runs.
+
+``--devices N`` trains data-parallel on the first N devices: each device gets ``--batch``
+sequences (the step's batch is N times that), parameters and optimizer state are
+replicated, and the gradients are summed by XLA. The table then also shows tokens per
+second per device, to compare with the same command on one device.
 
 Needs the examples' extra: pip install -e ".[examples]".
 """
@@ -37,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax.linen import fp8_ops
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from jax_epilog import fp8
 from jax_epilog.linen import OVERWRITE_WITH_GRADIENT, FusedDense, FusedMLP
@@ -151,6 +158,9 @@ def parse_args(argv=None):
     )
     parser.add_argument("--fp8", action="store_true", help="the FP8 comparison (see above)")
     parser.add_argument(
+        "--devices", type=int, default=1, help="data parallel over this many devices (default 1; see above)"
+    )
+    parser.add_argument(
         "--plot", default="train_transformer_mlp_fp8.png", help="--fp8's loss curves (PNG; '' for none)"
     )
     args = parser.parse_args(argv)
@@ -159,7 +169,19 @@ def parse_args(argv=None):
             setattr(args, name, value)
     if args.steps <= args.warmup:
         parser.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
+    if not 1 <= args.devices <= jax.device_count():
+        parser.error(f"--devices {args.devices}: this machine has {jax.device_count()} devices")
     return args
+
+
+def placements(args):
+    """(batch's, parameters') shardings for ``--devices``; (None, None) on one device."""
+    if args.devices == 1:
+        return None, None
+    mesh = jax.make_mesh(
+        (args.devices,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices()[: args.devices]
+    )
+    return NamedSharding(mesh, PartitionSpec("data")), NamedSharding(mesh, PartitionSpec())
 
 
 def setup(args, layers: str):
@@ -169,9 +191,10 @@ def setup(args, layers: str):
     model = MLPStack(args.d_model, args.blocks, layers=layers, implementation=args.implementation)
     init_key, teacher_key, data_key = jax.random.split(jax.random.key(args.seed), 3)
     teacher = make_teacher(teacher_key, args.d_model)
-    shape = (args.batch, args.seq, args.d_model)
+    shape = (args.batch * args.devices, args.seq, args.d_model)
+    rows, replicated = placements(args)
 
-    @jax.jit
+    @functools.partial(jax.jit, out_shardings=rows)
     def batch(step):
         x = jax.random.normal(jax.random.fold_in(data_key, step), shape, jnp.float32)
         return x, teacher(x)
@@ -197,6 +220,8 @@ def setup(args, layers: str):
     if layers in ("mlp_fp8", "flax_fp8"):  # the same parameters, and a fresh FP8 state
         state = model.init(init_key, sample)[OVERWRITE_WITH_GRADIENT]
         variables = {"params": variables["params"], OVERWRITE_WITH_GRADIENT: state}
+    if replicated is not None:
+        variables = jax.device_put(variables, replicated)
     return train_step, variables, tx.init(variables["params"]), batch
 
 
@@ -213,7 +238,7 @@ def train(args, layers: str, prepared=None) -> dict:
         times.append(time.perf_counter() - start)
         losses.append(float(loss))
     step_s = statistics.median(times[args.warmup :])
-    tokens = args.batch * args.seq
+    tokens = args.batch * args.devices * args.seq
     return {
         "layer": NAMES[layers],
         "losses": losses,
@@ -245,7 +270,7 @@ def train_in_turn(args, keys, prepared=None) -> dict:
         step_s = statistics.median(times[key][args.warmup :])
         out[key] = {
             "layer": NAMES[key], "losses": losses[key], "step_ms": 1e3 * step_s,
-            "tokens_per_s": args.batch * args.seq / step_s, "compile_s": times[key][0],
+            "tokens_per_s": args.batch * args.devices * args.seq / step_s, "compile_s": times[key][0],
         }  # fmt: skip
     return out
 
@@ -272,14 +297,15 @@ def main(argv=None, prepared=None) -> dict:
     on a GPU, "speedup": {key: ...} over nn.Dense. ``prepared``: {key: ``setup(args, key)``}
     for models already set up."""
     args = parse_args(argv)
-    tokens = args.batch * args.seq
+    tokens = args.batch * args.devices * args.seq
     device = jax.devices()[0]
+    where = f"{args.devices} x " if args.devices > 1 else ""
     print(
-        f"{device.platform} ({device.device_kind}): d_model {args.d_model}, {args.blocks} blocks, "
-        f"{tokens} tokens/step ({args.batch}x{args.seq}), bfloat16 compute, float32 params, "
+        f"{where}{device.platform} ({device.device_kind}): d_model {args.d_model}, {args.blocks} blocks, "
+        f"{tokens} tokens/step ({args.batch * args.devices}x{args.seq}), bfloat16 compute, float32 params, "
         f"{args.steps} steps (median of the last {args.steps - args.warmup})"
     )
-    keys = ("size", "d_model", "blocks", "batch", "seq", "steps", "implementation", "fp8")
+    keys = ("size", "d_model", "blocks", "batch", "seq", "steps", "implementation", "fp8", "devices")
     results = {"config": {k: getattr(args, k) for k in keys}}
     table = FP8_LAYERS if args.fp8 else LAYERS
     chosen = [key for key in table if args.layers in ("all", key)]
@@ -289,12 +315,17 @@ def main(argv=None, prepared=None) -> dict:
         for key in chosen:
             results[key] = train(args, key, (prepared or {}).get(key))
 
-    print(f"{'layer':<14}{'first loss':>12}{'final loss':>12}{'step (median)':>16}{'tokens/s':>14}")
+    per_device = f"{'tokens/s/device':>17}" if args.devices > 1 else ""
+    print(
+        f"{'layer':<14}{'first loss':>12}{'final loss':>12}{'step (median)':>16}{'tokens/s':>14}{per_device}"
+    )
     for key in chosen:
         r = results[key]
+        r["tokens_per_s_per_device"] = r["tokens_per_s"] / args.devices
         print(
             f"{r['layer']:<14}{r['losses'][0]:>12.4f}{r['losses'][-1]:>12.4f}"
             f"{r['step_ms']:>13.2f} ms{r['tokens_per_s']:>14,.0f}"
+            + (f"{r['tokens_per_s_per_device']:>17,.0f}" if args.devices > 1 else "")
         )
     if args.fp8 and args.plot:
         plot_losses(results, chosen, args.plot, f"{args.size}: d_model {args.d_model}, {device.device_kind}")

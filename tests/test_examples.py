@@ -141,3 +141,18 @@ def test_train_transformer_mlp_fp8_trains_four_models_in_turn(rng, capsys, tmp_p
     assert plot.stat().st_size > 1000
     if jax.default_backend() != "gpu":
         assert "no FP8 kernel ran" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("key, flags", [("mlp", []), ("mlp_fp8", ["--fp8", "--plot", ""])], ids=str)
+def test_train_transformer_mlp_data_parallel_is_the_same_training(rng, capsys, key, flags):
+    """--devices 2 with one sequence a device trains as one device with two: the same
+    batches, the gradients summed over the devices."""
+    base = ["--d-model", "32", "--blocks", "1", "--seq", "16", "--steps", "6", "--warmup", "1"]
+    base += ["--implementation", "cublaslt", "--seed", str(rng.integers(2**16)), "--layers", key, *flags]
+    example = load("train_transformer_mlp")
+    split = example.main([*base, "--devices", "2", "--batch", "1"])
+    whole = example.main([*base, "--batch", "2"])
+    assert split["config"]["devices"] == 2
+    np.testing.assert_allclose(split[key]["losses"], whole[key]["losses"], rtol=1e-2)
+    assert split[key]["tokens_per_s_per_device"] == split[key]["tokens_per_s"] / 2
+    assert "2 x cpu" in capsys.readouterr().out or jax.default_backend() != "cpu"

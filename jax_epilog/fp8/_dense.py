@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._epilogs import Activation, epilog_name
+from .._typing import like
 from ..primitives.fp8_gemm import fp8_matmul
 from ._quant import Quantized, QuantizedTensor, quantize_tensor
 from ._recipes import E4M3, E5M2, DenseState, TensorScale, next_scale, push_amax
@@ -146,14 +147,17 @@ def dense(x, kernel, bias, state: DenseState, layer: Layer):
 def _dense_fwd(x, kernel, bias, state, layer):
     fwd = forward(x, kernel, bias, state, layer, with_aux=True)
     kept = fwd.y if layer.activation is Activation.RELU else None
-    return (fwd.y, fwd.state), (fwd.aux, kept, fwd.x, fwd.kernel, fwd.state)
+    return (fwd.y, fwd.state), (fwd.aux, kept, fwd.x, fwd.kernel, fwd.state, bias)
 
 
 def _dense_bwd(layer, residuals, cotangents):
-    aux, y, qx, qk, new_state = residuals
+    aux, y, qx, qk, new_state, bias = residuals
     dz = output_grad(cotangents[0], y, aux, layer)
-    grads = backward(dz, qx, qk, new_state, layer)
-    return grads.dx, grads.dkernel, grads.dbias, dataclasses.replace(new_state, grad=grads.grad)
+    g = backward(dz, qx, qk, new_state, layer)
+    # Each gradient typed as its primal (explicit sharding; summed over shard_map's axes):
+    # an FP8 copy has its tensor's type.
+    dbias = None if g.dbias is None else like(g.dbias, bias)
+    return like(g.dx, qx.data), like(g.dkernel, qk.data), dbias, dataclasses.replace(new_state, grad=g.grad)
 
 
 dense.defvjp(_dense_fwd, _dense_bwd)

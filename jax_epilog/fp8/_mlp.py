@@ -20,6 +20,7 @@ import jax
 
 from .._epilogs import Activation
 from .._policy import get_policy
+from .._typing import like
 from ._dense import Forward, Layer, backward, forward, output_grad
 from ._quant import Quantized
 
@@ -56,12 +57,12 @@ def _mlp_fwd(x, kernels, biases, states, block):
     done = _run(x, kernels, biases, states, block, with_aux=True)
     kept = [f.y if layer.activation is Activation.RELU else None for f, layer in zip(done, block.layers)]
     residuals = ([f.aux for f in done], kept, [f.x for f in done], [f.kernel for f in done],
-                 [f.state for f in done])  # fmt: skip
+                 [f.state for f in done], biases)  # fmt: skip
     return (done[-1].y, tuple(f.state for f in done)), residuals
 
 
 def _mlp_bwd(block, residuals, cotangents):
-    auxes, kept, xs, kernels, states = residuals
+    auxes, kept, xs, kernels, states, biases = residuals
     layers = block.layers
     dz = output_grad(cotangents[0], kept[-1], auxes[-1], layers[-1])
     grads, new_states = [], list(states)
@@ -72,12 +73,15 @@ def _mlp_bwd(block, residuals, cotangents):
         # input-gradient GEMM; otherwise XLA applies the derivative in dz's own pass.
         linked = dgelu and i > 0 and layers[i - 1].activation is Activation.GELU
         g = backward(dz, xs[i], kernels[i], state, layer, auxes[i - 1] if linked else None)
-        grads.append((g.dkernel, g.dbias))
+        # each typed as its primal (an FP8 copy has its tensor's type), as in _dense
+        grads.append(
+            (like(g.dkernel, kernels[i].data), None if g.dbias is None else like(g.dbias, biases[i]))
+        )
         new_states[i] = dataclasses.replace(state, grad=g.grad)
         if i > 0:
             dz = g.dx if linked else output_grad(g.dx, kept[i - 1], auxes[i - 1], layers[i - 1])
     dkernels, dbiases = zip(*reversed(grads))
-    return g.dx, tuple(dkernels), tuple(dbiases), tuple(new_states)
+    return like(g.dx, xs[0].data), tuple(dkernels), tuple(dbiases), tuple(new_states)
 
 
 mlp.defvjp(_mlp_fwd, _mlp_bwd)

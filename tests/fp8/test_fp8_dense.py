@@ -182,6 +182,41 @@ def test_rows_split_over_devices_match_one_device_and_share_one_amax(rng):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+@pytest.mark.parametrize("split", ["column", "row"])
+def test_explicit_sharding_types_every_fp8_gradient_as_its_primal(rng, split):
+    """Under explicit sharding a gradient must have its primal's type: a column-parallel
+    kernel's (and a row-parallel layer's x's) gradient comes out of a GEMM whole or split
+    otherwise, and is resharded; the values are one device's."""
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+    if jax.device_count() < 4:
+        pytest.skip("needs 4 devices")
+    mesh = jax.make_mesh(
+        (2, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2, devices=jax.devices()[:4]
+    )
+    x, w, b = _inputs(rng, 4 * 9, 2 * 20, 2 * 24)
+    specs = {
+        "column": (("data",), (None, "model"), ("model",)),
+        "row": (("data", "model"), ("model", None), ()),
+    }
+    args = [
+        jax.device_put(v, NamedSharding(mesh, PartitionSpec(*s))) for v, s in zip((x, w, b), specs[split])
+    ]
+    loss = lambda x, w, b, s: jnp.sum(
+        jnp.sin(je.fused_dense(x, w, b, activation="gelu", fp8=s)[0].astype(jnp.float32))
+    )
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    got, want = grad(*args, fp8.init()), grad(x, w, b, fp8.init())
+    for g, r, primal in zip(got, want, args, strict=True):
+        assert jax.typeof(g).sharding.spec == jax.typeof(primal).sharding.spec
+        np.testing.assert_allclose(
+            np.asarray(g, np.float32),
+            np.asarray(r, np.float32),
+            rtol=0.05,
+            atol=0.02 * np.abs(np.asarray(r, np.float32)).max(),
+        )
+
+
 def test_column_parallel_kernel_and_split_rows_match_one_device(rng):
     devices = np.array(jax.devices()[:4])
     if devices.size < 4:

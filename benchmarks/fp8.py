@@ -26,6 +26,7 @@ import argparse
 import itertools
 import json
 import os
+import re
 import time
 import warnings
 
@@ -295,7 +296,7 @@ def plot(rows: list[dict], path: str) -> str:
             ratios.append(base / row["us"][name] if name in row["us"] else 0.0)
         ax.bar([i + j * width for i in range(len(rows))], ratios, width, label=name)
     ax.axhline(1.0, color="black", linewidth=0.8)
-    labels = [r["row"].replace(" 8192x", "\n8192x").replace(" gelu", "") for r in rows]
+    labels = [re.sub(r" (\d+x)", r"\n\1", r["row"].removesuffix(" gelu"), count=1) for r in rows]
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(rows))], labels, fontsize=7)
     ax.set_ylabel("baseline µs / µs (XLA bf16; nvmath for the GEMM)")
     ax.legend(fontsize=7)

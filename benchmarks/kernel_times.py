@@ -2,9 +2,11 @@
 
     python -m benchmarks.kernel_times ROW [--contenders NAME ...] [--steps 5] [--out DIR]
         [--policy FIELD=VALUE ...]
+    python -m benchmarks.kernel_times train [--contenders mlp_fp8 flax_fp8 dense] [--size large]
 
 ROW names a row of ``benchmarks/fp8.py`` (a part of its name: "dense", "mlp fwd+bwd
-8192x1024"); the contenders default to ours (delayed scaling) and Flax's direct FP8. For
+8192x1024"), or ``train``: a train step of ``examples/train_transformer_mlp.py --fp8`` (its
+models by key). The contenders default to ours (delayed scaling) and Flax's FP8. For
 each, the program runs ``--steps`` times under the profiler and the kernels on the GPU's
 streams are summed per name and divided by the steps: a table per contender, largest first,
 with the total. ``--out`` keeps the traces and each compiled program's HLO text (the
@@ -61,31 +63,55 @@ def render(name: str, times: dict[str, float], top: int = 20) -> str:
     return "\n".join(lines)
 
 
+def _row_programs(parser, row: str, names) -> tuple[str, dict]:
+    """The benchmarks/fp8.py row ``row`` names: its contenders ``names`` (jitted, with args)."""
+    rows = [r for r in fp8.ROWS if row in fp8.row_name(*r)]
+    if len(rows) != 1:
+        parser.error(f"{row!r} names {len(rows)} of {[fp8.row_name(*r) for r in fp8.ROWS]} (or: train)")
+    _, m, widths, acts, backward = rows[0]
+    contenders = fp8.block_contenders(m, widths, acts, backward)[0]
+    return fp8.row_name(*rows[0]), {
+        n: contenders[n] for n in names or ["ours fp8 delayed", "flax fp8 direct (xla)"]
+    }
+
+
+def _train_programs(size: str, keys) -> tuple[str, dict]:
+    """The example's jitted train step of each model ``keys`` names, with its arguments."""
+    from benchmarks.training import load_example
+
+    example = load_example()
+    args = example.parse_args(["--size", size, "--fp8"])
+    programs = {}
+    for key in keys:
+        train_step, variables, opt_state, batch = example.setup(args, key)
+        programs[key] = (train_step, (variables, opt_state, *batch(0)))
+    return f"train_transformer_mlp --size {size} --fp8", programs
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("row", help="a part of a benchmarks/fp8.py row's name")
-    parser.add_argument("--contenders", nargs="+", default=["ours fp8 delayed", "flax fp8 direct (xla)"])
+    parser.add_argument("--contenders", nargs="+", help="default: ours (delayed) and Flax's FP8")
+    parser.add_argument("--size", default="large", help="the example's --size (train only)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--out", help="folder for the traces and HLO (default: a temporary one)")
     add_policy_option(parser)
     args = parser.parse_args(argv)
-    rows = [r for r in fp8.ROWS if args.row in fp8.row_name(*r)]
-    if len(rows) != 1:
-        parser.error(f"{args.row!r} names {len(rows)} rows of {[fp8.row_name(*r) for r in fp8.ROWS]}")
-    _, m, widths, acts, backward = rows[0]
     out = args.out or tempfile.mkdtemp(prefix="kernel_times_")
     found = {}
     with policy(policy_changes(args.policy)):
-        contenders, _ = fp8.block_contenders(m, widths, acts, backward)
-        for name in args.contenders:
-            fn, fn_args = contenders[name]
+        if args.row == "train":
+            title, programs = _train_programs(args.size, args.contenders or ["mlp_fp8", "flax_fp8"])
+        else:
+            title, programs = _row_programs(parser, args.row, args.contenders)
+        for name, (fn, fn_args) in programs.items():
             jax.block_until_ready(fn(*fn_args))  # compile and warm up
             folder = os.path.join(out, re.sub(r"\W+", "_", name).strip("_"))
             os.makedirs(folder, exist_ok=True)
             with open(os.path.join(folder, "program.hlo.txt"), "w") as f:
                 f.write(fn.lower(*fn_args).compile().as_text())
             found[name] = profile(fn, fn_args, args.steps, folder)
-            print(render(f"{fp8.row_name(*rows[0])}, {name}", found[name]), flush=True)
+            print(render(f"{title}, {name}", found[name]), flush=True)
     return found
 
 

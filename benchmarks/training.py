@@ -155,15 +155,21 @@ def time_example_steps(prepared: dict) -> dict[str, float]:
     return dict(zip(prepared, time_jax_interleaved(*steps)))
 
 
-def bench_example(rows, size="large", implementations=("auto",), options=()):
-    """The example at ``--size size`` (plus ``options``, its other flags) with each
-    ``--implementation``: its own step times and the interleaved ones, both from the same
-    compiled train steps."""
+def load_example():
+    """``examples/train_transformer_mlp.py`` as a module."""
     path = Path(__file__).resolve().parent.parent / "examples" / "train_transformer_mlp.py"
     spec = importlib.util.spec_from_file_location("train_transformer_mlp", path)
     example = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = example  # flax's dataclasses look their module up
     spec.loader.exec_module(example)
+    return example
+
+
+def bench_example(rows, size="large", implementations=("auto",), options=()):
+    """The example at ``--size size`` (plus ``options``, its other flags) with each
+    ``--implementation``: its own step times and the interleaved ones, both from the same
+    compiled train steps."""
+    example = load_example()
     for implementation in implementations:
         with warnings.catch_warnings(), recording() as stats:
             warnings.simplefilter("error", FastPathWarning)  # the fused path, or no numbers

@@ -76,3 +76,15 @@ def test_kernel_times_sum_the_gpu_streams_per_step():
         "row: 225 µs of kernels per step",
         "      200.0 µs  gemm",
     ]
+
+
+def test_kernel_times_profiles_the_examples_train_step(tmp_path):
+    from benchmarks import kernel_times
+
+    found = kernel_times.main(
+        ["train", "--size", "small", "--steps", "1", "--contenders", "dense", "--out", str(tmp_path)]
+    )
+    assert set(found) == {"dense"}  # (on a CPU no kernel runs on a GPU stream: an empty table)
+    assert "dot" in (tmp_path / "dense" / "program.hlo.txt").read_text()
+    if jax.default_backend() == "gpu":
+        assert sum(found["dense"].values()) > 0

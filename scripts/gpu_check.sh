@@ -7,7 +7,8 @@
 #   training.{json,md}, bench.log              the training benchmark
 #   <probe>/, probes.log                       the probes named in PROBES
 #   fp8/          with FP8=1: cuBLASLt's FP8 acceptance (fp8_epilogs.md), the FP8 benchmark
-#                 (fp8.json), the FP8 training example (example.log, train_fp8.png)
+#                 (fp8.json), the FP8 training example (example.log, train_fp8.png), and the
+#                 kernel times of the mid-size block and the example's step (kernels.txt)
 # Knobs: OUT (default /tmp/jax_epilog_gpu_check), TESTS (pytest arguments, default
 # "-m gpu tests/"), PROBES (benchmarks.probes modules, e.g. "ensemble refusals"),
 # SKIP_BENCH=1, FORWARD_LABELS (default "cmdbuf-off cmdbuf-on"), SKIP_TRAINING=1, FP8=1
@@ -48,6 +49,10 @@ if [ "${FP8:-0}" = 1 ]; then
   python3 examples/train_transformer_mlp.py --size large --fp8 --plot "$OUT/fp8/train_fp8.png" \
     >"$OUT/fp8/example.log" 2>&1 || status=1
   grep -v "training in turn" "$OUT/fp8/example.log" | tail -n 9
+  for row in "mlp fwd+bwd 8192x1024" train; do
+    python3 -m benchmarks.kernel_times "$row" --out "$OUT/fp8/kernels" 2>&1 | grep -E "µs" >>"$OUT/fp8/kernels.txt"
+  done
+  grep "µs of kernels" "$OUT/fp8/kernels.txt"
 fi
 
 if [ "${SKIP_BENCH:-0}" != 1 ]; then

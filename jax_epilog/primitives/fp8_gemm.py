@@ -194,7 +194,7 @@ def _xla_wgrad(x, dz, x_scale, dz_scale, *, d_dtype):
     """x^T dz by XLA's own FP8 GEMM. The kernel gradient has no epilog to fuse but needs
     both operands transposed (Hopper's FP8 GEMM reads K-contiguous operands only, and here
     K is the rows): XLA transposes the FP8 bytes after its fusion decisions, whereas a
-    transpose written into this lowering is moved by XLA's simplifier into the passes that
+    transpose written into this lowering is moved by XLA into the passes that
     produce x and dz, which then run transposed (several times slower)."""
     acc = jax.lax.dot_general(x, dz, (((0,), (0,)), ((), ())), preferred_element_type=d_dtype)
     return [(acc.astype(jnp.float32) * (x_scale * dz_scale)).astype(d_dtype)]

@@ -18,7 +18,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | sort | uniq -
 python3 -m benchmarks.multi_device --devices "$n" --rows "${ROWS:-4096}" --out "$OUT" \
   >"$OUT/multi_device.log" 2>&1 || status=1
 grep -E "FAILED|ERROR" "$OUT/multi_device.log" | head -20
-grep -cE "\| ok \|" "$OUT/multi_device.md" | sed 's/$/ cases ok/'
+grep -cE "\| ok" "$OUT/multi_device.md" | sed 's/$/ cases ok/'
 
 if [ "${SKIP_TRAINING:-0}" != 1 ]; then
   for d in 1 "$n"; do

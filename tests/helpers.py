@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import functools
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -253,3 +255,10 @@ LAYER_DTYPE_CASES = [
         for p in ("float32", "bfloat16")
     )
 ]
+
+
+def run_python(code: str, *args: str, env=None, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``python -c code args...`` in a fresh interpreter (this one's executable), for what
+    must start clean: imports, environment variables read at start, device counts."""
+    command = [sys.executable, "-c", code, *args]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, check=False)

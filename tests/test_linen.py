@@ -8,8 +8,6 @@ accumulator instead of a rounding after each of the twin's ops.
 from __future__ import annotations
 
 import functools
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +26,7 @@ from helpers import (
     grad_tol,
     jaxpr_text,
     perturb,
+    run_python,
 )
 
 nn = pytest.importorskip("flax.linen")
@@ -446,9 +445,7 @@ def test_import_error_without_flax():
         "    else:\n"
         "        raise SystemExit('imported without flax')\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
-    )
+    out = run_python(code, timeout=120)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0].startswith("jax_epilog.linen needs Flax: pip install 'jax_epilog[flax]'")

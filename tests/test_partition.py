@@ -18,7 +18,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import GPU_TOL, act_fn, assert_scaled_close, cuda_text, custom_calls, oracle, problems
+from helpers import (
+    GPU_TOL,
+    act_fn,
+    assert_scaled_close,
+    cuda_text,
+    custom_calls,
+    oracle,
+    problems,
+    run_python,
+)
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -314,9 +323,6 @@ def run_in_a_fresh_process(devices: int, script: str, partitioner_name: str, rng
     """``script`` in a new interpreter with ``devices`` virtual CPU devices on a mesh of
     one Auto axis ("axis"), the named partitioner, float64, and ``rng`` seeded from this
     test's; its failure (an exception, or an abort) fails the test with its stderr."""
-    import subprocess
-    import sys
-
     preamble = f"""
 import os, sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count={devices}"
@@ -329,8 +335,7 @@ import jax_epilog
 mesh = jax.make_mesh(({devices},), ("axis",), axis_types=(jax.sharding.AxisType.Auto,))
 rng = np.random.default_rng(int(sys.argv[2]))
 """
-    command = [sys.executable, "-c", preamble + script, partitioner_name, str(int(rng.integers(1 << 31)))]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    done = run_python(preamble + script, partitioner_name, str(int(rng.integers(1 << 31))))
     assert done.returncode == 0, done.stderr[-3000:]
 
 

@@ -13,12 +13,11 @@ import functools
 import os
 import pathlib
 import re
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 import pytest
+from helpers import run_python
 
 import jax_epilog
 from jax_epilog import Policy, _policy, get_policy, override_policy
@@ -94,9 +93,7 @@ def test_the_environment_switches_off_autotuning_and_replay(monkeypatch):
         assert _policy._env_flag("JAX_EPILOG_AUTOTUNE") is on, value
     code = "import jax_epilog as je; p = je.get_policy(); print(p.autotune, p.replay)"
     env = {**os.environ, "JAX_EPILOG_AUTOTUNE": "0", "JAX_EPILOG_REPLAY": "0"}
-    done = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=False
-    )
+    done = run_python(code, env=env, timeout=120)
     assert done.stdout.split() == ["False", "False"], done.stderr[-2000:]
 
 

@@ -14,7 +14,6 @@ import ctypes
 import functools
 import os
 import re
-import subprocess
 import sys
 import textwrap
 from types import SimpleNamespace
@@ -23,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import run_python
 
 import jax_epilog
 from jax_epilog import fused_dense, fused_mlp
@@ -359,9 +359,7 @@ def test_importing_registers_the_target_without_nvmath_or_the_gpu():
         "assert not {'nvmath', 'cupy', 'jax_epilog.cuda.plan'} & set(sys.modules), sorted(sys.modules)\n"
         "assert not xla_bridge._backends, xla_bridge._backends\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
-    )
+    done = run_python(code, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
 
 
@@ -631,8 +629,7 @@ def test_the_handler_plans_on_a_pjrt_worker_thread(rng):
     failed with cuda.core's "Device 0 is not yet initialized"."""
     code = _WORKER_THREAD_PLAN.format(seed=int(rng.integers(1 << 31)))
     env = {**os.environ, "PJRT_GPU_ENABLE_ASYNC_DISPATCH": "1"}
-    command = [sys.executable, "-c", textwrap.dedent(code)]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, check=False)
+    done = run_python(textwrap.dedent(code), env=env)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
 
 
@@ -689,6 +686,5 @@ def test_an_exported_program_runs_in_a_process_that_never_lowered_it(rng, tmp_pa
         (tmp_path / f"{name}.bin").write_bytes(exported.serialize())
         np.savez(tmp_path / f"{name}.npz", *(np.asarray(r, np.float32) for r in jax.tree.leaves(f(x, w, b))))
     np.savez(tmp_path / "inputs.npz", *(np.asarray(a, np.float32) for a in (x, w, b)))
-    command = [sys.executable, "-c", _EXPORTED_CALL.format(tol=3e-2), str(tmp_path)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    done = run_python(_EXPORTED_CALL.format(tol=3e-2), str(tmp_path))
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]

@@ -160,8 +160,9 @@ def test_gpu_matches_the_emulation_within_one_e4m3_ulp(rng, m, k, n, fresh_warni
                 ulp = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(b), 2**-6))) - 3)
                 if "BIAS" in params["epilog"]:
                     # Where the bias cancels the product, cuBLASLt's result is off the
-                    # float32 emulation by about one 16-bit step of the product (its epilog
-                    # adds the bias in the bias's type): up to 2^-8 of the largest value.
+                    # float32 emulation by about one 16-bit step of the product (as if its
+                    # epilog added the bias in the bias's type): up to 2^-8 of the largest
+                    # value (docs/decisions.md#fp8-epilogs).
                     ulp = np.maximum(ulp, 2**-8 * top)
                 off = np.abs(a - b) > ulp
                 assert not off.any(), (params, off.sum(), a[off][:8], b[off][:8])

@@ -276,6 +276,20 @@ def write_listing(out: str | None, stem: str, lines: list[str]) -> None:
             fh.write("```\n" + "\n".join(lines) + "\n```\n")
 
 
+def listing_main(argv, doc: str, stem: str, lines) -> list[str]:
+    """A probe's command line: ``--out DIR``; each line ``lines()`` yields printed as it
+    comes, then all of them written to DIR/STEM.md (``write_listing``)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--out", default=None, help=f"folder for {stem}.md")
+    args = parser.parse_args(argv)
+    done = []
+    for line in lines():
+        done.append(line)
+        print(line, flush=True)
+    write_listing(args.out, stem, done)
+    return done
+
+
 def write_results(out: str, stem: str, rows: list[dict], table: str) -> None:
     """OUT/STEM.json (``versions()`` and ``rows``) and OUT/STEM.md (``table``)."""
     os.makedirs(out, exist_ok=True)

@@ -15,14 +15,12 @@ E5M2 dz^T into float32 and bfloat16, with DEFAULT, BGRADA and BGRADB.
 
 from __future__ import annotations
 
-import argparse
-
 import cupy as cp
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import write_listing
+from benchmarks.common import listing_main
 from jax_epilog._fp8_spec import Fp8Spec
 from jax_epilog.cuda.plan import Plan, current_device
 
@@ -119,15 +117,13 @@ def attempt(spec: Fp8Spec, rng) -> str:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=None, help="folder for fp8_epilogs.md")
-    args = parser.parse_args(argv)
-    rng = np.random.default_rng(0)
-    lines = [f"# {cp.cuda.runtime.getDeviceProperties(current_device())['name'].decode()}"]
-    for name, spec in specs():
-        lines.append(f"{name:40s} {attempt(spec, rng)}")
-        print(lines[-1], flush=True)
-    write_listing(args.out, "fp8_epilogs", lines)
+    def lines():
+        yield f"# {cp.cuda.runtime.getDeviceProperties(current_device())['name'].decode()}"
+        rng = np.random.default_rng(0)
+        for name, spec in specs():
+            yield f"{name:40s} {attempt(spec, rng)}"
+
+    listing_main(argv, __doc__, "fp8_epilogs", lines)
 
 
 if __name__ == "__main__":

@@ -15,9 +15,7 @@ Prints "ran" or the refusal, with the candidates' tuning µs (inf: that candidat
 
 from __future__ import annotations
 
-import argparse
-
-from benchmarks.common import write_listing
+from benchmarks.common import listing_main
 from jax_epilog._epilogs import EpilogSpec
 from jax_epilog.cuda.plan import Plan, current_device
 
@@ -52,14 +50,7 @@ def attempt(spec: EpilogSpec) -> str:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=None, help="folder for refusals.md")
-    args = parser.parse_args(argv)
-    lines = []
-    for name, spec in specs():
-        lines.append(f"{name:52s} {attempt(spec)}")
-        print(lines[-1], flush=True)
-    write_listing(args.out, "refusals", lines)
+    listing_main(argv, __doc__, "refusals", lambda: (f"{name:52s} {attempt(spec)}" for name, spec in specs()))
 
 
 if __name__ == "__main__":

@@ -109,3 +109,13 @@ def test_a_listing_is_one_preformatted_block(tmp_path):
     write_listing(str(tmp_path / "out"), "probe", ["# GPU", "problem  ran"])
     assert (tmp_path / "out" / "probe.md").read_text() == "```\n# GPU\nproblem  ran\n```\n"
     assert list(tmp_path.iterdir()) == [tmp_path / "out"]
+
+
+def test_a_probes_command_line_prints_and_writes_its_lines(tmp_path, capsys):
+    from benchmarks.common import listing_main
+
+    lines = listing_main(
+        ["--out", str(tmp_path)], "A probe.\n\nMore.", "probe", lambda: iter(["# GPU", "x  ran"])
+    )
+    assert lines == ["# GPU", "x  ran"] and capsys.readouterr().out == "# GPU\nx  ran\n"
+    assert (tmp_path / "probe.md").read_text() == "```\n# GPU\nx  ran\n```\n"

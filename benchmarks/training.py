@@ -145,13 +145,11 @@ def bench_mlp_shape(rows, activation: str, m: int, d: int):
 
 def time_example_steps(prepared: dict) -> dict[str, float]:
     """µs per train step of each of the example's models (``prepared``: {layer key: its
-    ``setup()``}), timed as the other rows are: the jitted steps called back to back from
-    their initial state, samples taken in turns. The example itself trains the models one
-    after the other, so its step times also carry the GPU's drift between them."""
-    steps = [
-        (train_step, (params, opt_state, *batch(0)))
-        for train_step, params, opt_state, batch in prepared.values()
-    ]
+    ``setup()``, a Run}), timed as the other rows are: the jitted steps called back to back,
+    each training on from its state on batch 0, samples taken in turns. The example itself
+    trains the models one after the other, so its step times also carry the GPU's drift
+    between them."""
+    steps = [(run.step, run.batch(0)) for run in prepared.values()]
     return dict(zip(prepared, time_jax_interleaved(*steps)))
 
 

@@ -33,10 +33,13 @@ Needs the examples' extra: pip install -e ".[examples]".
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import math
 import statistics
 import time
+from collections.abc import Callable
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -161,6 +164,13 @@ def parse_args(argv=None):
         "--devices", type=int, default=1, help="data parallel over this many devices (default 1; see above)"
     )
     parser.add_argument(
+        "--no-donate",
+        dest="donate",
+        action="store_false",
+        help="do not donate the parameters and optimizer state to the train step (by default "
+        "they are donated, so XLA reuses their buffers)",
+    )
+    parser.add_argument(
         "--plot", default="train_transformer_mlp_fp8.png", help="--fp8's loss curves (PNG; '' for none)"
     )
     args = parser.parse_args(argv)
@@ -184,10 +194,30 @@ def placements(args):
     return NamedSharding(mesh, PartitionSpec("data")), NamedSharding(mesh, PartitionSpec())
 
 
-def setup(args, layers: str):
-    """One model (``layers``: a key of LAYERS) ready to train: ``(train_step, params,
-    opt_state, batch)``, where ``train_step(params, opt_state, x, y)`` is jitted and returns
-    ``(params, opt_state, loss)`` and ``batch(step)`` returns that step's ``(x, y)``."""
+@dataclasses.dataclass
+class Run:
+    """One model ready to train: its jitted ``train_step(variables, opt_state, x, y) ->
+    (variables, opt_state, loss)``, its current state and ``batch(step) -> (x, y)``. The
+    step donates the state it is given (as a training loop should: XLA then writes the new
+    state into the old one's buffers, at the same addresses every step), so ``step``
+    carries the state from call to call; the arrays a caller held before are gone."""
+
+    train_step: Callable
+    variables: dict
+    opt_state: Any
+    batch: Callable
+
+    def step(self, x, y) -> jax.Array:
+        """One train step on (x, y); returns its loss (not waited for)."""
+        self.variables, self.opt_state, loss = self.train_step(self.variables, self.opt_state, x, y)
+        return loss
+
+    def lower(self, x, y):
+        return self.train_step.lower(self.variables, self.opt_state, x, y)
+
+
+def setup(args, layers: str) -> Run:
+    """One model (``layers``: a key of LAYERS) ready to train."""
     model = MLPStack(args.d_model, args.blocks, layers=layers, implementation=args.implementation)
     init_key, teacher_key, data_key = jax.random.split(jax.random.key(args.seed), 3)
     teacher = make_teacher(teacher_key, args.d_model)
@@ -204,7 +234,7 @@ def setup(args, layers: str):
     def loss_fn(variables, x, y):
         return jnp.mean((model.apply(variables, x) - y) ** 2)
 
-    @jax.jit
+    @functools.partial(jax.jit, donate_argnums=(0, 1) if args.donate else ())
     def train_step(variables, opt_state, x, y):
         loss, grads = jax.value_and_grad(loss_fn)(variables, x, y)
         updates, opt_state = tx.update(grads["params"], opt_state, variables["params"])
@@ -222,30 +252,32 @@ def setup(args, layers: str):
         variables = {"params": variables["params"], OVERWRITE_WITH_GRADIENT: state}
     if replicated is not None:
         variables = jax.device_put(variables, replicated)
-    return train_step, variables, tx.init(variables["params"]), batch
+    return Run(train_step, variables, tx.init(variables["params"]), batch)
 
 
-def train(args, layers: str, prepared=None) -> dict:
-    """Trains one model (``layers``: a key of LAYERS) for ``args.steps`` steps; returns its
-    losses and step times. ``prepared``: what ``setup(args, layers)`` returned, for a
-    caller that times the same (then compiled) train step afterwards."""
-    train_step, params, opt_state, batch = prepared or setup(args, layers)
-    losses, times = [], []
-    for step in range(args.steps):
-        x, y = jax.block_until_ready(batch(step))
-        start = time.perf_counter()
-        params, opt_state, loss = jax.block_until_ready(train_step(params, opt_state, x, y))
-        times.append(time.perf_counter() - start)
-        losses.append(float(loss))
+def _timed_step(run: Run, step: int) -> tuple[float, float]:
+    """(loss, seconds) of train step ``step``: its batch made first, the step waited for."""
+    x, y = jax.block_until_ready(run.batch(step))
+    start = time.perf_counter()
+    loss = jax.block_until_ready(run.step(x, y))
+    return float(loss), time.perf_counter() - start
+
+
+def _summary(args, layers: str, losses, times) -> dict:
     step_s = statistics.median(times[args.warmup :])
-    tokens = args.batch * args.devices * args.seq
     return {
-        "layer": NAMES[layers],
-        "losses": losses,
-        "step_ms": 1e3 * step_s,
-        "tokens_per_s": tokens / step_s,
-        "compile_s": times[0],
-    }
+        "layer": NAMES[layers], "losses": losses, "step_ms": 1e3 * step_s,
+        "tokens_per_s": args.batch * args.devices * args.seq / step_s, "compile_s": times[0],
+    }  # fmt: skip
+
+
+def train(args, layers: str, prepared: Run | None = None) -> dict:
+    """Trains one model (``layers``: a key of LAYERS) for ``args.steps`` steps; returns its
+    losses and step times. ``prepared``: what ``setup(args, layers)`` returned (it then
+    holds the trained state), for a caller that times the compiled step afterwards."""
+    run = prepared or setup(args, layers)
+    losses, times = zip(*(_timed_step(run, step) for step in range(args.steps)))
+    return _summary(args, layers, list(losses), list(times))
 
 
 def train_in_turn(args, keys, prepared=None) -> dict:
@@ -253,26 +285,14 @@ def train_in_turn(args, keys, prepared=None) -> dict:
     next step of any: the GPU's drift touches them alike), with a progress bar."""
     from tqdm import tqdm
 
-    prepared = prepared or {}
-    runs = {key: list(prepared.get(key) or setup(args, key)) for key in keys}
+    runs = {key: (prepared or {}).get(key) or setup(args, key) for key in keys}
     losses, times = {key: [] for key in keys}, {key: [] for key in keys}
     for step in tqdm(range(args.steps), desc="training in turn", unit="step"):
         for key, run in runs.items():
-            train_step, variables, opt_state, batch = run
-            x, y = jax.block_until_ready(batch(step))
-            start = time.perf_counter()
-            variables, opt_state, loss = jax.block_until_ready(train_step(variables, opt_state, x, y))
-            times[key].append(time.perf_counter() - start)
-            losses[key].append(float(loss))
-            run[1], run[2] = variables, opt_state
-    out = {}
-    for key in keys:
-        step_s = statistics.median(times[key][args.warmup :])
-        out[key] = {
-            "layer": NAMES[key], "losses": losses[key], "step_ms": 1e3 * step_s,
-            "tokens_per_s": args.batch * args.devices * args.seq / step_s, "compile_s": times[key][0],
-        }  # fmt: skip
-    return out
+            loss, seconds = _timed_step(run, step)
+            losses[key].append(loss)
+            times[key].append(seconds)
+    return {key: _summary(args, key, losses[key], times[key]) for key in keys}
 
 
 def plot_losses(results: dict, keys, path: str, title: str) -> None:

@@ -70,11 +70,13 @@ def test_kernel_times_sum_the_gpu_streams_per_step():
             run(1, 8, "gemm", 999.0), run(2, 0, "gemm", 999.0),  # (an op's span; the host)
         ]
     }  # fmt: skip
-    times = kernel_times(trace, steps=2)
-    assert times == {"gemm": 200.0, "fusion": 25.0}
+    times = kernel_times(trace, steps=2)._replace(wall_us=300.0)
+    assert times.kernels == {"gemm": 200.0, "fusion": 25.0}
+    assert times.launches == {"gemm": 1.0, "fusion": 0.5}
+    assert times.host == {"gemm": 499.5}  # the host's span, and XLA's op-span row is neither
     assert render("row", times).splitlines()[:2] == [
-        "row: 225 µs of kernels per step",
-        "      200.0 µs  gemm",
+        "row: 225 µs of kernels per step (2 launches), 300 µs wall per step (GPU idle 75 µs)",
+        "      200.0 µs     1×  gemm",
     ]
 
 
@@ -87,4 +89,5 @@ def test_kernel_times_profiles_the_examples_train_step(tmp_path):
     assert set(found) == {"dense"}  # (on a CPU no kernel runs on a GPU stream: an empty table)
     assert "dot" in (tmp_path / "dense" / "program.hlo.txt").read_text()
     if jax.default_backend() == "gpu":
-        assert sum(found["dense"].values()) > 0
+        assert sum(found["dense"].kernels.values()) > 0
+    assert found["dense"].wall_us > 0

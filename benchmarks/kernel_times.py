@@ -11,9 +11,10 @@ models by key). The contenders default to ours (delayed scaling) and Flax's FP8.
 each, the program runs ``--steps`` times under the profiler and the kernels on the GPU's
 streams are summed per name and divided by the steps: a table per contender, largest first,
 with the total, the launches, the wall time of a step waited for (timed outside the
-profiler; wall minus kernels is the time the GPU idles) and the largest host-side events. ``--out`` keeps the traces and each compiled program's HLO text (the
-fusions' names in the table are its computations). The numbers behind
-docs/decisions.md#fp8-wgrad and #fp8-dgelu come from this.
+profiler; wall minus kernels is the time the GPU idles) and the largest host-side events.
+``--out`` keeps the traces and each compiled program's HLO text (the fusions' names in the
+table are its computations). The numbers behind docs/decisions.md#fp8-wgrad and #fp8-dgelu
+come from this.
 """
 
 from __future__ import annotations
@@ -161,8 +162,7 @@ def main(argv=None) -> dict:
             if hasattr(fn, "step"):  # the example's Run: each call a train step
                 fn = fn.step
             jax.block_until_ready(fn(*fn_args))  # compile and warm up
-            folder = _folder(out, name)
-            found[name] = profile(fn, fn_args, args.steps, folder)
+            found[name] = profile(fn, fn_args, args.steps, _folder(out, name))
             print(render(f"{title}, {name}", found[name]), flush=True)
     return found
 

@@ -159,7 +159,7 @@ def test_train_transformer_mlp_data_parallel_is_the_same_training(rng, capsys, k
 
 
 @pytest.mark.parametrize("flags", [[], ["--no-donate"]], ids=["donated", "kept"])
-def test_train_transformer_mlp_step_donates_its_state(rng, flags):
+def test_train_transformer_mlp_step_donates_its_state(flags):
     """The train step donates the parameters and optimizer state it is given (XLA then reuses
     their buffers), and a Run carries the new ones; --no-donate keeps the old ones alive."""
     example = load("train_transformer_mlp")

@@ -267,6 +267,7 @@ def _summary(args, layers: str, losses, times) -> dict:
     step_s = statistics.median(times[args.warmup :])
     return {
         "layer": NAMES[layers], "losses": losses, "step_ms": 1e3 * step_s,
+        "last_mean_loss": statistics.mean(losses[-5:]),
         "tokens_per_s": args.batch * args.devices * args.seq / step_s, "compile_s": times[0],
     }  # fmt: skip
 
@@ -337,13 +338,14 @@ def main(argv=None, prepared=None) -> dict:
 
     per_device = f"{'tokens/s/device':>17}" if args.devices > 1 else ""
     print(
-        f"{'layer':<14}{'first loss':>12}{'final loss':>12}{'step (median)':>16}{'tokens/s':>14}{per_device}"
+        f"{'layer':<14}{'first loss':>12}{'final loss':>12}{'last 5 mean':>13}{'step (median)':>16}"
+        f"{'tokens/s':>14}{per_device}"
     )
     for key in chosen:
         r = results[key]
         r["tokens_per_s_per_device"] = r["tokens_per_s"] / args.devices
         print(
-            f"{r['layer']:<14}{r['losses'][0]:>12.4f}{r['losses'][-1]:>12.4f}"
+            f"{r['layer']:<14}{r['losses'][0]:>12.4f}{r['losses'][-1]:>12.4f}{r['last_mean_loss']:>13.4f}"
             f"{r['step_ms']:>13.2f} ms{r['tokens_per_s']:>14,.0f}"
             + (f"{r['tokens_per_s_per_device']:>17,.0f}" if args.devices > 1 else "")
         )

@@ -136,11 +136,14 @@ def test_train_transformer_mlp_fp8_trains_four_models_in_turn(rng, capsys, tmp_p
     for key in ("dense", "mlp", "mlp_fp8", "flax_fp8"):
         losses = result[key]["losses"]
         assert len(losses) == 20 and np.mean(losses[-5:]) < 0.8 * np.mean(losses[:5]), (key, losses)
+        assert result[key]["last_mean_loss"] == pytest.approx(np.mean(losses[-5:]))
     # The same parameters and batches; FP8 rounding moves the losses by a few per cent.
     np.testing.assert_allclose(result["mlp_fp8"]["losses"][-1], result["dense"]["losses"][-1], rtol=0.1)
     assert plot.stat().st_size > 1000
+    out = capsys.readouterr().out
+    assert "last 5 mean" in out
     if jax.default_backend() != "gpu":
-        assert "no FP8 kernel ran" in capsys.readouterr().out
+        assert "no FP8 kernel ran" in out
 
 
 @pytest.mark.parametrize("key, flags", [("mlp", []), ("mlp_fp8", ["--fp8", "--plot", ""])], ids=str)

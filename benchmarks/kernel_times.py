@@ -157,12 +157,13 @@ def main(argv=None) -> dict:
         else:
             title, programs = _row_programs(parser, args.row, args.contenders)
         for name, (fn, fn_args) in programs.items():
-            with open(os.path.join(_folder(out, name), "program.hlo.txt"), "w") as f:
+            folder = _folder(out, name)
+            with open(os.path.join(folder, "program.hlo.txt"), "w") as f:
                 f.write(fn.lower(*fn_args).compile().as_text())  # (a Run lowers its step)
             if hasattr(fn, "step"):  # the example's Run: each call a train step
                 fn = fn.step
             jax.block_until_ready(fn(*fn_args))  # compile and warm up
-            found[name] = profile(fn, fn_args, args.steps, _folder(out, name))
+            found[name] = profile(fn, fn_args, args.steps, folder)
             print(render(f"{title}, {name}", found[name]), flush=True)
     return found
 

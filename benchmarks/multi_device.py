@@ -145,11 +145,10 @@ def _operands(rows, k, n, split: Split, seed=0):
 
 
 def _program(layer_fn, cut: int):
-    def loss(x, params, states):
-        x = x[: x.shape[0] - cut] if cut else x
-        return jnp.sum(jnp.sin(layer_fn(x, params, states).astype(jnp.float32)))
+    def forward(x, params, states):
+        return layer_fn(x[: x.shape[0] - cut] if cut else x, params, states)
 
-    forward = lambda x, params, states: layer_fn(x[: x.shape[0] - cut] if cut else x, params, states)
+    loss = lambda x, params, states: jnp.sum(jnp.sin(forward(x, params, states).astype(jnp.float32)))
     return jax.jit(forward), jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 
 

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import pytest
 from tolerances import epilog_slack, tolerance
 
 import jax_epilog
@@ -262,3 +263,23 @@ def run_python(code: str, *args: str, env=None, timeout: int = 300) -> subproces
     must start clean: imports, environment variables read at start, device counts."""
     command = [sys.executable, "-c", code, *args]
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def explicit_mesh_2x2() -> jax.sharding.Mesh:
+    """A ("data", "model") = (2, 2) mesh of explicit axis types on the first four devices
+    (the test skips with fewer)."""
+    if jax.device_count() < 4:
+        pytest.skip("needs 4 devices")
+    explicit = (jax.sharding.AxisType.Explicit,) * 2
+    return jax.make_mesh((2, 2), ("data", "model"), axis_types=explicit, devices=jax.devices()[:4])
+
+
+def assert_gradients_like_primals(got, want, primals) -> None:
+    """Each gradient in ``got`` has its primal's sharding spec, and its values are within 5 %
+    (plus 2 % of the largest) of ``want``'s, the same gradients on one device."""
+    for g, r, primal in zip(
+        jax.tree.leaves(got), jax.tree.leaves(want), jax.tree.leaves(primals), strict=True
+    ):
+        assert jax.typeof(g).sharding.spec == jax.typeof(primal).sharding.spec
+        r = np.asarray(r, np.float32)
+        np.testing.assert_allclose(np.asarray(g, np.float32), r, rtol=0.05, atol=0.02 * np.abs(r).max())

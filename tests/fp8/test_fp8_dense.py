@@ -187,13 +187,10 @@ def test_explicit_sharding_types_every_fp8_gradient_as_its_primal(rng, split):
     """Under explicit sharding a gradient must have its primal's type: a column-parallel
     kernel's (and a row-parallel layer's x's) gradient comes out of a GEMM whole or split
     otherwise, and is resharded; the values are one device's."""
-    from jax.sharding import AxisType, NamedSharding, PartitionSpec
+    from helpers import assert_gradients_like_primals, explicit_mesh_2x2
+    from jax.sharding import NamedSharding, PartitionSpec
 
-    if jax.device_count() < 4:
-        pytest.skip("needs 4 devices")
-    mesh = jax.make_mesh(
-        (2, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2, devices=jax.devices()[:4]
-    )
+    mesh = explicit_mesh_2x2()
     x, w, b = _inputs(rng, 4 * 9, 2 * 20, 2 * 24)
     specs = {
         "column": (("data",), (None, "model"), ("model",)),
@@ -206,15 +203,7 @@ def test_explicit_sharding_types_every_fp8_gradient_as_its_primal(rng, split):
         jnp.sin(je.fused_dense(x, w, b, activation="gelu", fp8=s)[0].astype(jnp.float32))
     )
     grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-    got, want = grad(*args, fp8.init()), grad(x, w, b, fp8.init())
-    for g, r, primal in zip(got, want, args, strict=True):
-        assert jax.typeof(g).sharding.spec == jax.typeof(primal).sharding.spec
-        np.testing.assert_allclose(
-            np.asarray(g, np.float32),
-            np.asarray(r, np.float32),
-            rtol=0.05,
-            atol=0.02 * np.abs(np.asarray(r, np.float32)).max(),
-        )
+    assert_gradients_like_primals(grad(*args, fp8.init()), grad(x, w, b, fp8.init()), args)
 
 
 def test_column_parallel_kernel_and_split_rows_match_one_device(rng):

@@ -118,10 +118,12 @@ def backward(
     dz's amax, one pass quantizes dz to E5M2, then two FP8 GEMMs. ``aux``: the layer below's
     GELU input, whose derivative the input-gradient GEMM then applies (DGELU): dx is then
     that layer's dz."""
-    # Both reduce over rows: XLA can compute them in one pass over dz.
-    wide = dz.astype(jnp.float32)
-    dbias = jnp.sum(wide, axis=0).astype(layer.bias_dtype) if layer.has_bias else None
-    seen = jnp.max(jnp.max(jnp.abs(wide), axis=0))
+    # Both reduce over dz's rows in its own dtype (the sum accumulates in float32 inside the
+    # reduction; the max is exact): XLA computes them in one pass, and the E5M2 cast reads
+    # dz as it is. Reducing a float32 copy instead made XLA write that copy out, twice
+    # dz's bytes, and read it back for the cast.
+    dbias = jnp.sum(dz, axis=0, dtype=jnp.float32).astype(layer.bias_dtype) if layer.has_bias else None
+    seen = jnp.max(jnp.max(jnp.abs(dz), axis=0)).astype(jnp.float32)
     qdz = quantize_tensor(dz, state.grad, E5M2, state, seen)
     (dx,) = fp8_matmul(
         qdz.data, fwd_kernel.data, qdz.scale, fwd_kernel.scale, *([] if aux is None else [aux]),

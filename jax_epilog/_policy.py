@@ -116,6 +116,11 @@ class Policy:
         "fused_mlp in FP8 applies GELU's derivative in the input-gradient GEMM (DGELU epilog)",
         "fp8-dgelu",
     )
+    fp8_command_buffers: bool = _field(
+        False,
+        "XLA may capture the FP8 custom calls into its command buffers (False: they run outside)",
+        "fp8-command-buffers",
+    )
     # Replay of one-GEMM CUDA graphs outside XLA's command buffers.
     replay: bool = _field(
         _env_flag("JAX_EPILOG_REPLAY"),

@@ -119,7 +119,7 @@ def cuda_lowerings_on_cpu(cublaslt_accepts):
         mlir.register_lowering(primitive, partitioned_lowering(primitive, cpu, layout), platform="cpu")
 
 
-def _reference_call(seen: list, operands, results, spec):
+def _reference_call(seen: list, operands, results, spec, command_buffer: bool = True):
     """The custom call's results from its problem's reference math on the operands it is
     handed, whose shapes must be the problem's (padded) sizes, as ``ffi.call`` checks
     them. Appends ``spec`` to ``seen``."""

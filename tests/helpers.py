@@ -19,7 +19,7 @@ import pytest
 from tolerances import epilog_slack, tolerance
 
 import jax_epilog
-from jax_epilog.cuda.ffi import TARGET_NAME
+from jax_epilog.cuda.ffi import EAGER_TARGET_NAME, TARGET_NAME
 
 # Each activation's twin: what a plain JAX layer applies after its matmul. A new activation
 # of the epilog table needs its twin here; the parametrized tests then cover it.
@@ -222,8 +222,8 @@ def cuda_text(f, *args) -> str:
 
 
 def custom_calls(text: str) -> list[str]:
-    """The lines of ``text`` (``cuda_text``) that call jax_epilog's custom call."""
-    return re.findall(rf"stablehlo.custom_call @{TARGET_NAME}\(.*", text)
+    """The lines of ``text`` (``cuda_text``) that call jax_epilog's custom call (either target)."""
+    return re.findall(rf"stablehlo.custom_call @(?:{TARGET_NAME}|{EAGER_TARGET_NAME})\(.*", text)
 
 
 def problems(text: str) -> list[str]:

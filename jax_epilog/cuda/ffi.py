@@ -7,9 +7,11 @@ fields, each buffer's data pointer, one attribute (``_key``), then ``XLA_FFI_Str
 The attributes describe the whole problem, so a program that comes from elsewhere
 (``jax.export``) is decoded once per ``_key`` and cached.
 
-The handler declares the command-buffer trait, so XLA may capture it into a CUDA graph: it
-launches exactly one ``cublasLtMatmul`` (or a replayed graph of it) per call and never
-synchronises or allocates, except when planning a problem it has not seen.
+The handler is registered twice. ``TARGET_NAME`` declares the command-buffer trait, so XLA
+may capture the call into a CUDA graph: it launches exactly one ``cublasLtMatmul`` (or a
+replayed graph of it) per call and never synchronises or allocates, except when planning a
+problem it has not seen. ``EAGER_TARGET_NAME`` declares no trait: XLA runs such a call
+outside its command buffers, which it then never re-records for it.
 
 Every exception is caught and returned to XLA as an FFI error: a ctypes callback that
 raised would return NULL, which XLA reads as success. An XLA whose FFI API this decoding
@@ -34,6 +36,7 @@ from .._epilogs import EpilogSpec, check_buffers
 from .._fp8_spec import Fp8Spec, check_fp8_buffers
 
 __all__ = [
+    "EAGER_TARGET_NAME",
     "EXPORT_CHECKS",
     "TARGET_NAME",
     "HandlerStats",
@@ -44,9 +47,12 @@ __all__ = [
 ]
 
 TARGET_NAME = "jax_epilog_fused_matmul"
-# What ``jax.export`` must be told to allow a program holding the custom call: it has no
+EAGER_TARGET_NAME = "jax_epilog_fused_matmul_eager"  # the same handler, outside command buffers
+# What ``jax.export`` must be told to allow a program holding the custom calls: they have no
 # compatibility guarantee beyond this version of jax_epilog.
-EXPORT_CHECKS = (jax.export.DisabledSafetyCheck.custom_call(TARGET_NAME),)
+EXPORT_CHECKS = tuple(
+    jax.export.DisabledSafetyCheck.custom_call(name) for name in (TARGET_NAME, EAGER_TARGET_NAME)
+)
 
 _HANDLER_API_VERSION = (0, 1)  # declared in the metadata: the oldest API this decoding fits
 _COMMAND_BUFFER_COMPATIBLE = 1
@@ -122,8 +128,15 @@ def prepare(spec: EpilogSpec) -> str | None:
     return None
 
 
-def call(operands: tuple[jax.Array, ...], results: list[jax.ShapeDtypeStruct], spec: EpilogSpec | Fp8Spec):
-    """Emit the custom call for ``spec``; returns the list of results.
+def call(
+    operands: tuple[jax.Array, ...],
+    results: list[jax.ShapeDtypeStruct],
+    spec: EpilogSpec | Fp8Spec,
+    command_buffer: bool = True,
+):
+    """Emit the custom call for ``spec``; returns the list of results. ``command_buffer``:
+    whether XLA may capture the call into its command buffers (``TARGET_NAME``) or must run
+    it on its own (``EAGER_TARGET_NAME``).
 
     Operands and results by position: forward (x, kernel[, bias]) -> (D[, aux]), each with
     a leading members dimension where ``spec.members > 1``, except those in
@@ -138,7 +151,8 @@ def call(operands: tuple[jax.Array, ...], results: list[jax.ShapeDtypeStruct], s
         name: np.int64(value) if isinstance(value, int) else value for name, value in spec._asdict().items()
     }
     attributes |= {name: attributes[name] or "" for name in ("bias_dtype", "aux_dtype") if name in attributes}
-    return jax.ffi.ffi_call(TARGET_NAME, results)(*operands, _key=np.int64(key), **attributes)
+    target = TARGET_NAME if command_buffer else EAGER_TARGET_NAME
+    return jax.ffi.ffi_call(target, results)(*operands, _key=np.int64(key), **attributes)
 
 
 # ----------------------------------------------------------------------------- handler
@@ -198,14 +212,14 @@ class _Handler:
         """Known at lowering: saves decoding the attributes at the first call."""
         self._specs.setdefault(key, spec)
 
-    def __call__(self, frame: int) -> int | None:
+    def __call__(self, frame: int, traits: int = _COMMAND_BUFFER_COMPATIBLE) -> int | None:
         api = None
         try:
             f = frame >> 3
             if _WORDS[f + _F_API]:  # (XLA may send a metadata query without one)
                 api = self._apis.get(_WORDS[f + _F_API]) or self._bind_api(_WORDS[f + _F_API])
             if _WORDS[f + _F_EXT]:  # answered whatever the API: lowering refuses an unfit one
-                return self._metadata(_WORDS[f + _F_EXT])
+                return self._metadata(_WORDS[f + _F_EXT], traits)
             if api.refusal is not None:
                 return api.error(f"jax_epilog: {api.refusal}")
             if _WORDS[f + _F_SIZE] < _FRAME_BYTES:
@@ -261,15 +275,15 @@ class _Handler:
         return api
 
     @staticmethod
-    def _metadata(ext: int) -> None:
-        """Answer XLA's metadata query: API version and the command-buffer trait."""
+    def _metadata(ext: int, traits: int) -> None:
+        """Answer XLA's metadata query: API version and the traits (command buffers or none)."""
         if _WORDS[(ext >> 3) + 1] & _LOW32 != _METADATA_EXTENSION:
             return
         meta = _WORDS[(ext >> 3) + 3]  # XLA_FFI_Metadata_Extension.metadata
         _u64.from_address(meta + 8).value = 24  # api_version.struct_size
         _i32.from_address(meta + 24).value = _HANDLER_API_VERSION[0]
         _i32.from_address(meta + 28).value = _HANDLER_API_VERSION[1]
-        ctypes.c_uint32.from_address(meta + 32).value = _COMMAND_BUFFER_COMPATIBLE
+        ctypes.c_uint32.from_address(meta + 32).value = traits
 
     @staticmethod
     def _find_key(nattrs: int, names: int) -> int:
@@ -342,9 +356,9 @@ _stats: HandlerStats | None = None
 _now = time.perf_counter_ns
 
 
-def _run_counted(frame: int) -> int | None:
+def _run_counted(frame: int, traits: int = _COMMAND_BUFFER_COMPATIBLE) -> int | None:
     start = _now()
-    result = _handler(frame)
+    result = _handler(frame, traits)
     end = _now()
     stats, f = _stats, frame >> 3
     executed = not _WORDS[f + _F_EXT] and _WORDS[f + _F_STAGE] & _LOW32 == _STAGE_EXECUTE
@@ -363,6 +377,10 @@ def _entry(frame: int) -> int | None:
     return _run(frame)
 
 
+def _entry_eager(frame: int) -> int | None:
+    return _run(frame, 0)
+
+
 @contextlib.contextmanager
 def recording(trace: bool = False) -> Iterator[HandlerStats]:
     """Count the handler's calls and their host time inside the block (an opt-in for
@@ -377,13 +395,13 @@ def recording(trace: bool = False) -> Iterator[HandlerStats]:
         _run, _stats = previous_run, previous_stats
 
 
-_handler_fn = _HANDLER_FN(_entry)
+_handler_fns = {TARGET_NAME: _HANDLER_FN(_entry), EAGER_TARGET_NAME: _HANDLER_FN(_entry_eager)}
 _registered = False
 _register_lock = threading.Lock()
 
 
 def ensure_registered() -> None:
-    """Register the CUDA target with XLA, once: at import, so that a program holding the
+    """Register the CUDA targets with XLA, once: at import, so that a program holding the
     custom call runs in any process that imported jax_epilog, one deserialized by
     ``jax.export`` included. Touches neither the GPU nor nvmath-python: XLA holds the
     registration until its CUDA backend starts, and the handler imports nvmath at its
@@ -395,6 +413,7 @@ def ensure_registered() -> None:
         capsule_new = ctypes.pythonapi.PyCapsule_New
         capsule_new.restype = ctypes.py_object
         capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
-        address = ctypes.cast(_handler_fn, ctypes.c_void_p).value
-        jax.ffi.register_ffi_target(TARGET_NAME, capsule_new(address, None, None), platform="CUDA")
+        for name, fn in _handler_fns.items():
+            address = ctypes.cast(fn, ctypes.c_void_p).value
+            jax.ffi.register_ffi_target(name, capsule_new(address, None, None), platform="CUDA")
         _registered = True

@@ -240,7 +240,7 @@ def _gemm(problem, ops, spec: Fp8Spec, results):
     names = (*spec.operands()[2:],)
     padded = {"bias": lambda v: pad_to(v, spec.n), "aux": lambda v: pad_to(v, spec.m, spec.aux_ld)}
     rest = [padded.get(name, lambda v: v)(ops[name]) for name in names]
-    return ffi.call((p, q, *rest), results, spec)
+    return ffi.call((p, q, *rest), results, spec, command_buffer=get_policy().fp8_command_buffers)
 
 
 def _gpu_operands(problem, ops, spec: Fp8Spec):

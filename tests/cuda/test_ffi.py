@@ -215,6 +215,14 @@ def test_metadata_query_declares_api_0_1_and_the_command_buffer_trait(handler):
     assert not handler.plans and frame.stream_calls == 0 and not frame.errors
 
 
+def test_the_eager_entry_declares_no_trait(registered):
+    """The second target (the same handler) keeps its calls out of XLA's command buffers."""
+    frame, words = _metadata_query()
+    assert frame(ffi._entry_eager) is None
+    assert (words[6], words[7], words[8]) == (0, 1, 0)
+    assert frame(ffi._entry) is None and words[8] == 1
+
+
 def test_a_metadata_query_without_an_api_pointer_is_answered(handler):
     """XLA may query the metadata with no XLA_FFI_Api in the frame: answered all the same,
     and no API is bound."""

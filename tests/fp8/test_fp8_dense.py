@@ -249,3 +249,26 @@ def test_the_gpu_program_is_three_fp8_gemms_with_k_and_n_padded_to_16(rng, cubla
         ]
         assert sizes == [(37, 48, 32), (37, 32, 48), (24, 48, 48)]  # forward, dgrad, wgrad (K: the rows)
         assert not dots
+
+
+@pytest.mark.parametrize("command_buffers", [False, True])
+def test_fp8_calls_run_outside_xlas_command_buffers_unless_the_policy_says(
+    rng, cublaslt_accepts, command_buffers
+):
+    """By default the FP8 custom calls use the target without the command-buffer trait (XLA
+    re-recorded them at every train step); the policy can hand them back to the command
+    buffers. The bfloat16 op keeps the trait either way."""
+    from helpers import cuda_text
+
+    from jax_epilog.cuda.ffi import EAGER_TARGET_NAME, TARGET_NAME
+
+    x, w, b = _inputs(rng, 37, 24, 40)
+    loss = lambda x, w, b, s: _loss(x, w, b, s, "gelu")
+    with je.override_policy(fp8_command_buffers=command_buffers):
+        text = cuda_text(jax.grad(loss, argnums=(0, 1, 2, 3)), x, w, b, fp8.init())
+        plain = cuda_text(
+            lambda x, w, b: je.fused_dense(x, w, b, activation="gelu", implementation="cublaslt"), x, w, b
+        )
+    used, unused = (TARGET_NAME, EAGER_TARGET_NAME) if command_buffers else (EAGER_TARGET_NAME, TARGET_NAME)
+    assert text.count(f"@{used}(") == 2 and f"@{unused}(" not in text  # forward and dgrad
+    assert plain.count(f"@{TARGET_NAME}(") == 1 and EAGER_TARGET_NAME not in plain

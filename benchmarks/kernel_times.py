@@ -26,15 +26,14 @@ import gzip
 import json
 import os
 import re
-import statistics
 import tempfile
-import time
 from typing import NamedTuple
 
 import jax
 
 from benchmarks import fp8
 from benchmarks.common import add_policy_option, policy, policy_changes
+from benchmarks.timing import waited_us
 
 
 class Times(NamedTuple):
@@ -68,19 +67,9 @@ def kernel_times(trace: dict, steps: int) -> Times:
     return Times(dict(kernels), dict(launches), dict(host))
 
 
-def wall_us(fn, args, steps: int) -> float:
-    """Median wall µs of ``fn(*args)``, each call waited for (as a training loop does)."""
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(1e6 * (time.perf_counter() - start))
-    return statistics.median(times)
-
-
 def profile(fn, args, steps: int, folder: str) -> Times:
     """The profile of ``fn(*args)`` (already compiled and warm), and its wall time."""
-    wall = wall_us(fn, args, 3 * steps)
+    wall = waited_us(lambda _: fn(*args), 3 * steps)
     with jax.profiler.trace(folder, create_perfetto_trace=True):
         for _ in range(steps):
             jax.block_until_ready(fn(*args))

@@ -21,6 +21,7 @@ __all__ = [
     "WallClock",
     "measure",
     "measure_interleaved",
+    "waited_us",
 ]
 
 
@@ -117,6 +118,16 @@ def measure_interleaved(contenders: list[tuple], settings: Settings) -> list[Tim
         Timing(statistics.median(s) * 1e6, len(s), count, calls)
         for s, count, calls in zip(seconds, iters, made)
     ]
+
+
+def waited_us(call, count: int) -> float:
+    """Median wall µs of ``call(i)`` for i in range(count), each call waited for (as a
+    training loop that reads every step's loss runs)."""
+    clock, times = WallClock(), []
+    for i in range(count):
+        clock.start()
+        times.append(1e6 * clock.stop(call(i)))
+    return statistics.median(times)
 
 
 class WallClock:

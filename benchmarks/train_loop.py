@@ -28,6 +28,7 @@ import time
 import jax
 
 from benchmarks.common import policy, policy_changes
+from benchmarks.timing import waited_us
 from benchmarks.training import load_example
 
 BATCHES = 8
@@ -62,12 +63,7 @@ def time_loop(run, batches, steps: int) -> float:
 
 def time_sync(run, batches, steps: int) -> float:
     """µs per step (median), each step waited for."""
-    times = []
-    for i in range(steps):
-        start = time.perf_counter()
-        jax.block_until_ready(run.step(*batches[i % BATCHES]))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
+    return waited_us(lambda i: run.step(*batches[i % BATCHES]), steps)
 
 
 def measure(prepared: dict, chunks: int, steps: int) -> dict[str, dict[str, float]]:

@@ -433,7 +433,7 @@ def test_vmap_shared_and_batched_weights_and_vmap_of_grad(rng, implementation):
     got = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1)), in_axes=(0, None)))(xs, layers)
     grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
     want = jax.tree.map(lambda *a: jnp.stack(a), *[grad(x, layers) for x in xs])
-    jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-6), got, want)
+    jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-5), got, want)
 
 
 @pytest.mark.parametrize(

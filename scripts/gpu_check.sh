@@ -8,14 +8,14 @@
 #   <probe>/, probes.log                       the probes named in PROBES
 #   fp8/          with FP8=1: cuBLASLt's FP8 acceptance (fp8_epilogs.md), the FP8 benchmark
 #                 (fp8.json), the FP8 training example (example.log, train_fp8.png), the
-#                 kernel times of the mid-size block and the example's step (kernels.txt),
-#                 and with LOOP_VARIANTS the example's steps timed as loops run them (loop.txt)
+#                 kernel times of the mid-size block and the example's step (kernels.txt)
+#   loop.txt      with LOOP_VARIANTS: the FP8 example's steps timed as loops run them
 # Knobs: OUT (default /tmp/jax_epilog_gpu_check), TESTS (pytest arguments, default
 # "-m gpu tests/"), PROBES (benchmarks.probes modules, e.g. "ensemble refusals"),
 # SKIP_BENCH=1, FORWARD_LABELS (default "cmdbuf-off cmdbuf-on"), SKIP_TRAINING=1, FP8=1
 # (FP8 only: TESTS="-m gpu tests/fp8 tests/primitives/test_fp8_gemm.py" SKIP_BENCH=1 FP8=1),
-# LOOP_VARIANTS (with FP8=1: benchmarks.train_loop's --variant entries, e.g.
-# "mlp_fp8:fp8_command_buffers=True"; its table in fp8/loop.txt).
+# LOOP_VARIANTS (benchmarks.train_loop --fp8's --variant entries, e.g.
+# "mlp_fp8:fp8_command_buffers=True"; its table in loop.txt).
 # The whole test suite on a GPU takes several minutes: run it on its own
 # (TESTS=tests/ SKIP_BENCH=1) where a call has a time limit.
 set -uo pipefail
@@ -57,11 +57,12 @@ if [ "${FP8:-0}" = 1 ]; then
     python3 -m benchmarks.kernel_times "$row" 2>&1 | grep -E "µs" >>"$OUT/fp8/kernels.txt"
   done
   grep "µs of kernels" "$OUT/fp8/kernels.txt"
-  if [ -n "${LOOP_VARIANTS:-}" ]; then
-    # shellcheck disable=SC2086
-    python3 -m benchmarks.train_loop --fp8 --variant $LOOP_VARIANTS >"$OUT/fp8/loop.txt" 2>&1 || status=1
-    tail -n 8 "$OUT/fp8/loop.txt"
-  fi
+fi
+
+if [ -n "${LOOP_VARIANTS:-}" ]; then
+  # shellcheck disable=SC2086
+  python3 -m benchmarks.train_loop --fp8 --variant $LOOP_VARIANTS >"$OUT/loop.txt" 2>&1 || status=1
+  tail -n 8 "$OUT/loop.txt"
 fi
 
 if [ "${SKIP_BENCH:-0}" != 1 ]; then

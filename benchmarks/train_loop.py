@@ -23,12 +23,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import jax
 
 from benchmarks.common import policy, policy_changes
-from benchmarks.timing import waited_us
+from benchmarks.timing import WallClock, waited_us
 from benchmarks.training import load_example
 
 BATCHES = 8
@@ -54,11 +53,11 @@ def prepare(example, args, key: str, changes: dict, warmup: int = 3):
 
 def time_loop(run, batches, steps: int) -> float:
     """µs per step, the steps dispatched back to back and waited for once."""
-    start = time.perf_counter()
+    clock = WallClock()
+    clock.start()
     for i in range(steps):
         loss = run.step(*batches[i % BATCHES])
-    jax.block_until_ready(loss)
-    return (time.perf_counter() - start) / steps * 1e6
+    return 1e6 * clock.stop(loss) / steps
 
 
 def time_sync(run, batches, steps: int) -> float:

@@ -216,8 +216,8 @@ class _Handler:
         api = None
         try:
             f = frame >> 3
-            if _WORDS[f + _F_API]:  # (XLA may send a metadata query without one)
-                api = self._apis.get(_WORDS[f + _F_API]) or self._bind_api(_WORDS[f + _F_API])
+            if table := _WORDS[f + _F_API]:  # (XLA may send a metadata query without one)
+                api = self._apis.get(table) or self._apis.setdefault(table, _Api(table))
             if _WORDS[f + _F_EXT]:  # answered whatever the API: lowering refuses an unfit one
                 return self._metadata(_WORDS[f + _F_EXT], traits)
             if api.refusal is not None:
@@ -226,7 +226,13 @@ class _Handler:
                 return api.error(f"jax_epilog: a call frame of {_WORDS[f + _F_SIZE]} bytes is too small")
             if _WORDS[f + _F_STAGE] & _LOW32 != _STAGE_EXECUTE:
                 return None
-            return self._execute(frame, api)
+            if (stats := _stats) is None:
+                return self._execute(frame, api)
+            start = _now()
+            try:
+                return self._execute(frame, api)
+            finally:
+                stats.count(start, _now())
         except BaseException as exc:  # noqa: BLE001 -- must never propagate into XLA
             message = f"jax_epilog: fused matmul failed: {type(exc).__name__}: {exc}"
             try:
@@ -269,10 +275,6 @@ class _Handler:
 
         self._plan_module = plan
         return plan
-
-    def _bind_api(self, api_ptr: int) -> _Api:
-        api = self._apis[api_ptr] = _Api(api_ptr)
-        return api
 
     @staticmethod
     def _metadata(ext: int, traits: int) -> None:
@@ -350,49 +352,36 @@ class HandlerStats:
     plans_resolved: int = 0
     trace: list[tuple[int, int]] | None = None
 
+    def count(self, start: int, end: int) -> None:
+        self.calls += 1
+        self.busy_ns += end - start
+        if self.trace is not None:
+            self.trace.append((start, end))
+
 
 _handler = _Handler()
 _stats: HandlerStats | None = None
 _now = time.perf_counter_ns
 
 
-def _run_counted(frame: int, traits: int = _COMMAND_BUFFER_COMPATIBLE) -> int | None:
-    start = _now()
-    result = _handler(frame, traits)
-    end = _now()
-    stats, f = _stats, frame >> 3
-    executed = not _WORDS[f + _F_EXT] and _WORDS[f + _F_STAGE] & _LOW32 == _STAGE_EXECUTE
-    if stats is not None and executed:
-        stats.calls += 1
-        stats.busy_ns += end - start
-        if stats.trace is not None:
-            stats.trace.append((start, end))
-    return result
-
-
-_run = _handler  # what the registered function calls: the handler, or _run_counted
-
-
 def _entry(frame: int) -> int | None:
-    return _run(frame)
+    return _handler(frame)
 
 
 def _entry_eager(frame: int) -> int | None:
-    return _run(frame, 0)
+    return _handler(frame, 0)
 
 
 @contextlib.contextmanager
 def recording(trace: bool = False) -> Iterator[HandlerStats]:
     """Count the handler's calls and their host time inside the block (an opt-in for
     benchmarks and diagnostics: outside it the handler counts nothing)."""
-    global _run, _stats
-    previous_run, previous_stats = _run, _stats
-    _stats = HandlerStats(trace=[] if trace else None)
-    _run = _run_counted
+    global _stats
+    previous, _stats = _stats, HandlerStats(trace=[] if trace else None)
     try:
         yield _stats
     finally:
-        _run, _stats = previous_run, previous_stats
+        _stats = previous
 
 
 _handler_fns = {TARGET_NAME: _HANDLER_FN(_entry), EAGER_TARGET_NAME: _HANDLER_FN(_entry_eager)}

@@ -21,6 +21,7 @@ from benchmarks.probes import (
     backward_variants,
     ensemble,
     forced_algorithm,
+    fused_dz,
     mlp_layers,
     pad_width,
     row_padding,
@@ -204,3 +205,16 @@ def test_refusals_probe_reproduces_the_one_row_refusals():
     assert results["wgrad BGRADA m4k1n11"].startswith("REFUSED") and results[
         "wgrad BGRADA m4k6n11"
     ].startswith("ran")
+
+
+@pytest.mark.parametrize("kind", ["gelu", "none"])
+def test_fused_dz_probe_compares_the_kernel_with_xlas_passes(kind):
+    keys = jax.random.split(jax.random.key(7), 2)
+    dy = jax.random.normal(keys[0], (128, 256), jnp.bfloat16)
+    z = jax.random.normal(keys[1], (128, 256), jnp.bfloat16) * 2
+    scale = jnp.float32(1e-4)
+    want = fused_dz.xla_passes(kind)(dy, z, scale)
+    got = fused_dz.kernel(kind, (64, 128), interpret=True)(dy, z, scale)
+    assert [a.shape for a in got] == [a.shape for a in want] == [(128, 256), (256, 128), (256,), ()]
+    note = fused_dz._check(got, want)
+    assert "transpose ok" in note and float(note.split("apart ")[1].split(",")[0]) < 0.01, note

@@ -116,6 +116,12 @@ class Policy:
         "fused_mlp in FP8 applies GELU's derivative in the input-gradient GEMM (DGELU epilog)",
         "fp8-dgelu",
     )
+    fp8_fused_dz: bool = _field(
+        False,
+        "under delayed scaling an FP8 layer's dz, its E5M2 copy, bias gradient and amax come "
+        "from one Pallas pass (where its tile divides dz), not XLA's passes",
+        "fp8-fused-dz",
+    )
     fp8_command_buffers: bool = _field(
         False,
         "XLA may capture the FP8 custom calls into its command buffers (False: they run outside)",

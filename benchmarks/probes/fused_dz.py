@@ -2,15 +2,15 @@
 
     python -m benchmarks.probes.fused_dz [--out DIR]
 
-For ``jax_epilog/fp8/_fused_dz.py`` (not yet used by the library): per shape of dz (the
-FP8 example's and benchmark rows' hidden and output widths) and kind (GELU, none), the
-kernel with each tile in BLOCKS against XLA's program for the same outputs, written as the
-library writes them: dz = dy * act'(z) rounded to dy's dtype, its column sums and amax, its
-E5M2 copy under a known scale and that copy's transpose. Median µs per call, all
-contenders of a shape timed in turns in one process; a tile Triton cannot compile says so.
-Each kernel's outputs are checked against XLA's: the share of E5M2 values that differ
-(GELU's slope cancels in its tail, so a few may be one step apart) and the column sums'
-largest error relative to their largest magnitude.
+Backs docs/decisions.md#fp8-fused-dz (``jax_epilog/fp8/_fused_dz.py``). Per shape of dz
+(the FP8 example's and benchmark rows' widths) and kind (GELU, none), the kernel with each
+tile in BLOCKS against XLA's program for the same outputs, written as the library writes
+them: dz = dy * act'(z) rounded to dy's dtype, its column sums and amax, its E5M2 copy
+under a known scale; with ``+T`` also that copy's transpose (which the kernel-gradient GEMM
+reads). Median µs per call, the contenders of a shape timed in turns in one process; a tile
+Triton cannot compile says so. Each kernel's outputs are checked against XLA's: the share
+of E5M2 values that differ (GELU's slope cancels in its tail, so a few may be one step
+apart), the transpose, and the column sums' largest error relative to their largest value.
 """
 
 from __future__ import annotations
@@ -20,65 +20,73 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import listing_main, time_jax_interleaved
-from jax_epilog.fp8 import E5M2, _dense, _fused_dz, _quant
+from jax_epilog.fp8 import E5M2, _fused_dz, _quant
 
 SHAPES = [(8192, 4096), (8192, 1024), (8192, 16384)]
 BLOCKS = [(64, 128), (128, 128), (128, 64), (64, 64), (32, 128), (128, 256)]
 
 
-def xla_passes(kind: str):
+def xla_passes(kind: str, transposed: bool):
     def run(dy, z, scale):
-        if kind == "gelu":
-            dz = (dy.astype(jnp.float32) * _dense.gelu_slope(z.astype(jnp.float32))).astype(dy.dtype)
-        else:
-            dz = dy
+        dz = _fused_dz.dz_of(kind, dy, z if kind == "gelu" else None)
         q = _quant.quantize(dz, E5M2, scale)
         sums = jnp.sum(dz, axis=0, dtype=jnp.float32)
-        return q, q.T, sums, jnp.max(jnp.abs(dz)).astype(jnp.float32)
+        amax = jnp.max(jnp.max(jnp.abs(dz), axis=0)).astype(jnp.float32)
+        return (q, q.T, sums, amax) if transposed else (q, sums, amax)
 
     return jax.jit(run)
 
 
-def kernel(kind: str, block, interpret: bool = False):
+def kernel(kind: str, block, transposed: bool, interpret: bool = False):
     def run(dy, z, scale):
         other = z if kind == "gelu" else None
-        return tuple(_fused_dz.fused_dz(dy, other, scale, kind=kind, block=block, interpret=interpret))
+        out = _fused_dz.fused_dz(
+            dy, other, scale, kind=kind, block=block, transposed=transposed, interpret=interpret
+        )
+        return tuple(o for o in out if o is not None)
 
     return jax.jit(run)
 
 
-def _check(got, want) -> str:
+def check(got, want) -> str:
+    """The kernel's outputs against XLA's, in one line."""
     apart = float(np.mean(np.asarray(got[0], np.float32) != np.asarray(want[0], np.float32)))
-    transposed = bool(np.array_equal(np.asarray(got[1], np.float32), np.asarray(got[0], np.float32).T))
-    sums = np.asarray(want[2])
-    error = float(np.abs(np.asarray(got[2]) - sums).max() / np.abs(sums).max())
-    return f"apart {apart:.2e}, transpose {'ok' if transposed else 'WRONG'}, sums err {error:.1e}"
+    note = f"apart {apart:.2e}"
+    if len(got) == 4:
+        same = np.array_equal(np.asarray(got[1], np.float32), np.asarray(got[0], np.float32).T)
+        note += f", transpose {'ok' if same else 'WRONG'}"
+    sums = np.asarray(want[-2])
+    return note + f", sums err {float(np.abs(np.asarray(got[-2]) - sums).max() / np.abs(sums).max()):.1e}"
+
+
+def _shape_lines(m, n, kind, transposed):
+    keys = jax.random.split(jax.random.key(m + n), 2)
+    dy = jax.random.normal(keys[0], (m, n), jnp.bfloat16)
+    z = jax.random.normal(keys[1], (m, n), jnp.bfloat16) * 2
+    scale = jnp.abs(dy).max().astype(jnp.float32) / 40000
+    label = f"{m}x{n} {kind}{' +T' if transposed else ''}"
+    xla = xla_passes(kind, transposed)
+    want = jax.block_until_ready(xla(dy, z, scale))
+    cases, notes = {"xla passes": (xla, (dy, z, scale))}, {}
+    for block in BLOCKS:
+        f = kernel(kind, block, transposed)
+        try:
+            got = jax.block_until_ready(f(dy, z, scale))
+        except Exception as exc:  # noqa: BLE001 -- a tile Triton refuses is a finding
+            yield f"{label} block {block}: failed: {type(exc).__name__}: {str(exc)[:200]}"
+            continue
+        cases[f"block {block}"], notes[f"block {block}"] = (f, (dy, z, scale)), check(got, want)
+    times = dict(zip(cases, time_jax_interleaved(*cases.values())))
+    for name, us in times.items():
+        yield f"{label:22s} {name:18s} {us:8.1f} µs  {times['xla passes'] / us:5.2f}x  {notes.get(name, '')}"
 
 
 def lines():
     yield f"# {jax.devices()[0].device_kind}, jax {jax.__version__}"
     for m, n in SHAPES:
-        keys = jax.random.split(jax.random.key(m + n), 2)
-        dy = jax.random.normal(keys[0], (m, n), jnp.bfloat16)
-        z = jax.random.normal(keys[1], (m, n), jnp.bfloat16) * 2
-        scale = jnp.abs(dy).max().astype(jnp.float32) / 40000
         for kind in ("gelu", "none"):
-            xla = xla_passes(kind)
-            want = jax.block_until_ready(xla(dy, z, scale))
-            cases, notes = {"xla passes": (xla, (dy, z, scale))}, {}
-            for block in BLOCKS:
-                f = kernel(kind, block)
-                try:
-                    got = jax.block_until_ready(f(dy, z, scale))
-                except Exception as exc:  # noqa: BLE001 -- a tile Triton refuses is a finding
-                    yield f"{m}x{n} {kind} block {block}: failed: {type(exc).__name__}: {str(exc)[:200]}"
-                    continue
-                cases[f"block {block}"] = (f, (dy, z, scale))
-                notes[f"block {block}"] = _check(got, want)
-            times = dict(zip(cases, time_jax_interleaved(*cases.values())))
-            for name, us in times.items():
-                ratio = times["xla passes"] / us
-                yield f"{m}x{n} {kind:4s} {name:18s} {us:8.1f} µs  {ratio:5.2f}x  {notes.get(name, '')}"
+            for transposed in (False, True):
+                yield from _shape_lines(m, n, kind, transposed)
 
 
 def main(argv=None):

@@ -13,12 +13,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._epilogs import Activation, epilog_name
+from .._policy import get_policy
 from .._typing import like
 from ..primitives.fp8_gemm import fp8_matmul
+from ..primitives.fp8_output_grad import fp8_output_grad
+from ..primitives.fp8_output_grad import reference as output_grad_reference
+from ._fused_dz import column_sums_and_amax, dz_of
 from ._quant import Quantized, QuantizedTensor, quantize_tensor
 from ._recipes import E4M3, E5M2, DenseState, TensorScale, next_scale, push_amax
 
-__all__ = ["Backward", "Layer", "backward", "dense", "epilog_dtypes", "forward", "output_grad"]
+__all__ = ["Backward", "Layer", "backward", "dense", "epilog_dtypes", "forward", "kind_of", "quantized_grad"]
 
 
 class Layer(NamedTuple):
@@ -83,25 +87,9 @@ def forward(x, kernel, bias, state: DenseState, layer: Layer, with_aux: bool) ->
     return Forward(y, aux, qx, qk, out_scale, new)
 
 
-_SQRT_2_OVER_PI = float(np.sqrt(2.0 / np.pi))
-
-
-def gelu_slope(z: jax.Array) -> jax.Array:
-    """d/dz of the tanh GELU (cuBLASLt's), written out with one tanh so that XLA forms
-    dy * gelu'(z) in one elementwise pass."""
-    t = jnp.tanh(_SQRT_2_OVER_PI * (z + 0.044715 * z**3))
-    return 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + 3 * 0.044715 * z * z)
-
-
-def output_grad(dy, y, aux, layer: Layer) -> jax.Array:
-    """dz = dy * act'(z), in float32 math rounded once to dy's dtype (the E5M2 pass that
-    reads it keeps two mantissa bits): GELU's derivative at the aux, ReLU's where y > 0."""
-    if layer.activation is Activation.RELU:
-        return jnp.where(y > 0, dy, jnp.zeros((), dy.dtype))
-    if layer.activation is Activation.GELU:
-        z = aux[:, : dy.shape[1]].astype(jnp.float32)
-        return (dy.astype(jnp.float32) * gelu_slope(z)).astype(dy.dtype)
-    return dy
+def kind_of(layer: Layer) -> str:
+    """The ``_fused_dz.KINDS`` entry whose derivative dz takes for ``layer``."""
+    return {Activation.GELU: "gelu", Activation.RELU: "relu"}.get(layer.activation, "none")
 
 
 class Backward(NamedTuple):
@@ -111,20 +99,34 @@ class Backward(NamedTuple):
     grad: TensorScale  # the gradient's next scaling state
 
 
+def quantized_grad(dy, y, aux, layer: Layer, state: DenseState, linked: bool = False):
+    """(dz as E5M2 with its scale and the gradient's next state, the bias gradient) from
+    the output's cotangent dy: dz = dy * act'(.) (GELU's derivative at the aux, ReLU's
+    where y > 0; ``linked``: dy is dz already, the layer above applied the derivative).
+    Delayed scaling knows dz's scale first: one pass (``fp8_output_grad``: one Pallas
+    kernel on a GPU under ``Policy.fp8_fused_dz``, else XLA's passes, which reduce dz in
+    its own dtype: a float32 copy would be written out). Current scaling reads dz's amax
+    before quantizing it."""
+    kind = "none" if linked else kind_of(layer)
+    other = {"gelu": aux, "relu": y}.get(kind)
+    if state.current:
+        dz = dz_of(kind, dy, other)
+        sums, seen = column_sums_and_amax(dz)
+        qdz = quantize_tensor(dz, state.grad, E5M2, state, seen)
+    else:
+        scale = jax.lax.stop_gradient(next_scale(state.grad, E5M2, state.recipe))
+        one_pass = fp8_output_grad if get_policy().fp8_fused_dz else output_grad_reference
+        q, sums, seen = one_pass(dy, other, scale, kind=kind)
+        qdz = QuantizedTensor(q, scale, push_amax(state.grad, scale, seen))
+    return qdz, sums.astype(layer.bias_dtype) if layer.has_bias else None
+
+
 def backward(
-    dz, fwd_x: QuantizedTensor, fwd_kernel: QuantizedTensor, state: DenseState, layer: Layer, aux=None
+    qdz: QuantizedTensor, dbias, fwd_x: QuantizedTensor, fwd_kernel: QuantizedTensor, layer: Layer, aux=None
 ):
-    """The layer's gradients from dz (M, N): one reduction pass gives the bias gradient and
-    dz's amax, one pass quantizes dz to E5M2, then two FP8 GEMMs. ``aux``: the layer below's
-    GELU input, whose derivative the input-gradient GEMM then applies (DGELU): dx is then
-    that layer's dz."""
-    # Both reduce over dz's rows in its own dtype (the sum accumulates in float32 inside the
-    # reduction; the max is exact): XLA computes them in one pass, and the E5M2 cast reads
-    # dz as it is. Reducing a float32 copy instead made XLA write that copy out, twice
-    # dz's bytes, and read it back for the cast.
-    dbias = jnp.sum(dz, axis=0, dtype=jnp.float32).astype(layer.bias_dtype) if layer.has_bias else None
-    seen = jnp.max(jnp.max(jnp.abs(dz), axis=0)).astype(jnp.float32)
-    qdz = quantize_tensor(dz, state.grad, E5M2, state, seen)
+    """The layer's gradients from its quantized dz (``quantized_grad``): two FP8 GEMMs.
+    ``aux``: the layer below's GELU input, whose derivative the input-gradient GEMM then
+    applies (DGELU): dx is then that layer's dz."""
     (dx,) = fp8_matmul(
         qdz.data, fwd_kernel.data, qdz.scale, fwd_kernel.scale, *([] if aux is None else [aux]),
         problem="dgrad", epilog="DEFAULT" if aux is None else "DGELU", d_dtype=layer.x_dtype, amax=False,
@@ -154,8 +156,8 @@ def _dense_fwd(x, kernel, bias, state, layer):
 
 def _dense_bwd(layer, residuals, cotangents):
     aux, y, qx, qk, new_state, bias = residuals
-    dz = output_grad(cotangents[0], y, aux, layer)
-    g = backward(dz, qx, qk, new_state, layer)
+    qdz, dbias = quantized_grad(cotangents[0], y, aux, layer, new_state)
+    g = backward(qdz, dbias, qx, qk, layer)
     # Each gradient typed as its primal (explicit sharding; summed over shard_map's axes):
     # an FP8 copy has its tensor's type.
     dbias = None if g.dbias is None else like(g.dbias, bias)

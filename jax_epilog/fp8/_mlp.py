@@ -4,8 +4,8 @@ A hidden layer's GEMM applies bias and activation, scales the result by the outp
 delayed scale and writes it as E4M3 straight into the buffer the next GEMM reads, with the
 amax of what it wrote for the next step's scale, and (GELU) its input z in bfloat16 for the
 backward: no activation or quantize kernel between the GEMMs. In the backward each dz is
-formed in one XLA pass (dy times the activation's derivative at the aux) and quantized to
-E5M2 once for both of its layer's GEMMs. cuBLASLt can apply GELU's derivative in the next
+formed (dy times the activation's derivative at the aux), reduced and quantized to E5M2
+once for both of its layer's GEMMs (``_dense.quantized_grad``). cuBLASLt can apply GELU's derivative in the next
 layer's input-gradient GEMM instead (DGELU epilog, ``Policy.fp8_dgelu``), but with FP8
 operands it runs that epilog as a separate, slower kernel: see docs/decisions.md.
 """
@@ -21,7 +21,7 @@ import jax
 from .._epilogs import Activation
 from .._policy import get_policy
 from .._typing import like
-from ._dense import Forward, Layer, backward, forward, output_grad
+from ._dense import Forward, Layer, backward, forward, quantized_grad
 from ._quant import Quantized
 
 __all__ = ["mlp"]
@@ -64,22 +64,22 @@ def _mlp_fwd(x, kernels, biases, states, block):
 def _mlp_bwd(block, residuals, cotangents):
     auxes, kept, xs, kernels, states, biases = residuals
     layers = block.layers
-    dz = output_grad(cotangents[0], kept[-1], auxes[-1], layers[-1])
+    dy, linked_above = cotangents[0], False
     grads, new_states = [], list(states)
     dgelu = get_policy().fp8_dgelu
     for i in reversed(range(len(layers))):
         layer, state = layers[i], states[i]
         # With the DGELU policy the layer below a GELU layer gets its dz from this layer's
-        # input-gradient GEMM; otherwise XLA applies the derivative in dz's own pass.
+        # input-gradient GEMM; otherwise dz's own pass applies the derivative.
         linked = dgelu and i > 0 and layers[i - 1].activation is Activation.GELU
-        g = backward(dz, xs[i], kernels[i], state, layer, auxes[i - 1] if linked else None)
+        qdz, dbias = quantized_grad(dy, kept[i], auxes[i], layer, state, linked_above)
+        g = backward(qdz, dbias, xs[i], kernels[i], layer, auxes[i - 1] if linked else None)
         # each typed as its primal (an FP8 copy has its tensor's type), as in _dense
         grads.append(
             (like(g.dkernel, kernels[i].data), None if g.dbias is None else like(g.dbias, biases[i]))
         )
         new_states[i] = dataclasses.replace(state, grad=g.grad)
-        if i > 0:
-            dz = g.dx if linked else output_grad(g.dx, kept[i - 1], auxes[i - 1], layers[i - 1])
+        dy, linked_above = g.dx, linked
     dkernels, dbiases = zip(*reversed(grads))
     return like(g.dx, xs[0].data), tuple(dkernels), tuple(dbiases), tuple(new_states)
 

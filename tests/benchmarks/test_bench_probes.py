@@ -207,14 +207,17 @@ def test_refusals_probe_reproduces_the_one_row_refusals():
     ].startswith("ran")
 
 
+@pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("kind", ["gelu", "none"])
-def test_fused_dz_probe_compares_the_kernel_with_xlas_passes(kind):
+def test_fused_dz_probe_compares_the_kernel_with_xlas_passes(kind, transposed):
     keys = jax.random.split(jax.random.key(7), 2)
     dy = jax.random.normal(keys[0], (128, 256), jnp.bfloat16)
     z = jax.random.normal(keys[1], (128, 256), jnp.bfloat16) * 2
     scale = jnp.float32(1e-4)
-    want = fused_dz.xla_passes(kind)(dy, z, scale)
-    got = fused_dz.kernel(kind, (64, 128), interpret=True)(dy, z, scale)
-    assert [a.shape for a in got] == [a.shape for a in want] == [(128, 256), (256, 128), (256,), ()]
-    note = fused_dz._check(got, want)
-    assert "transpose ok" in note and float(note.split("apart ")[1].split(",")[0]) < 0.01, note
+    want = fused_dz.xla_passes(kind, transposed)(dy, z, scale)
+    got = fused_dz.kernel(kind, (64, 128), transposed, interpret=True)(dy, z, scale)
+    shapes = [(128, 256), *([(256, 128)] if transposed else []), (256,), ()]
+    assert [a.shape for a in got] == [a.shape for a in want] == shapes
+    note = fused_dz.check(got, want)
+    assert float(note.split("apart ")[1].split(",")[0]) < 0.01, note
+    assert ("transpose ok" in note) == transposed, note

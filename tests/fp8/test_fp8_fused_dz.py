@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jax_epilog import fp8
-from jax_epilog.fp8 import _dense, _fused_dz, _quant
+from jax_epilog.fp8 import _fused_dz, _quant
 
 # M != N, several tiles each way (the kernel needs tiles that divide dz: 64 x 128 here)
 SHAPES = [(192, 256), (128, 384)]
@@ -17,7 +17,7 @@ E5_STEP = 0.25  # one E5M2 step: 2 mantissa bits
 def _reference(kind, dy, other, scale):
     """XLA's passes, as the library writes them without the kernel."""
     if kind == "gelu":
-        dz = (dy.astype(jnp.float32) * _dense.gelu_slope(other.astype(jnp.float32))).astype(dy.dtype)
+        dz = (dy.astype(jnp.float32) * _fused_dz.gelu_slope(other.astype(jnp.float32))).astype(dy.dtype)
     elif kind == "relu":
         dz = jnp.where(other > 0, dy, jnp.zeros((), dy.dtype))
     else:
@@ -35,7 +35,8 @@ def _inputs(rng, shape, dtype):
 def _check_one_pass(kind, shape, dtype, interpret):
     rng = np.random.default_rng([len(kind), *shape])
     dy, other, scale = _inputs(rng, shape, dtype)
-    got = _fused_dz.fused_dz(dy, None if kind == "none" else other, scale, kind=kind, interpret=interpret)
+    other = None if kind == "none" else other
+    got = _fused_dz.fused_dz(dy, other, scale, kind=kind, transposed=True, interpret=interpret)
     dz, q = _reference(kind, dy, other, scale)
     data = np.asarray(got.data, np.float32)
     want = np.asarray(q, np.float32)

@@ -4,11 +4,11 @@
 
 Backs docs/decisions.md#fp8-fused-dz (``jax_epilog/fp8/_fused_dz.py``). Per shape of dz
 (the FP8 example's and benchmark rows' widths) and kind (GELU, none), the kernel with each
-tile in BLOCKS against XLA's program for the same outputs, written as the library writes
-them: dz = dy * act'(z) rounded to dy's dtype, its column sums and amax, its E5M2 copy
-under a known scale; with ``+T`` also that copy's transpose (which the kernel-gradient GEMM
-reads). Median µs per call, the contenders of a shape timed in turns in one process; a tile
-Triton cannot compile says so. Each kernel's outputs are checked against XLA's: the share
+tile in BLOCKS against XLA's program for the same outputs, the library's own
+(``fp8_output_grad``'s reference): dz = dy * act'(z) rounded to dy's dtype, its column sums
+and amax, its E5M2 copy under a known scale; with ``+T`` also that copy's transpose (which
+the kernel-gradient GEMM reads). Median µs per call, the contenders of a shape timed in
+turns in one process; a tile Triton cannot compile says so. Each kernel's outputs are checked against XLA's: the share
 of E5M2 values that differ (GELU's slope cancels in its tail, so a few may be one step
 apart), the transpose, and the column sums' largest error relative to their largest value.
 """
@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import listing_main, time_jax_interleaved
-from jax_epilog.fp8 import E5M2, _fused_dz, _quant
+from jax_epilog.fp8 import _fused_dz
+from jax_epilog.primitives.fp8_output_grad import reference
 
 SHAPES = [(8192, 4096), (8192, 1024), (8192, 16384)]
 BLOCKS = [(64, 128), (128, 128), (128, 64), (64, 64), (32, 128), (128, 256)]
@@ -28,10 +29,7 @@ BLOCKS = [(64, 128), (128, 128), (128, 64), (64, 64), (32, 128), (128, 256)]
 
 def xla_passes(kind: str, transposed: bool):
     def run(dy, z, scale):
-        dz = _fused_dz.dz_of(kind, dy, z if kind == "gelu" else None)
-        q = _quant.quantize(dz, E5M2, scale)
-        sums = jnp.sum(dz, axis=0, dtype=jnp.float32)
-        amax = jnp.max(jnp.max(jnp.abs(dz), axis=0)).astype(jnp.float32)
+        q, sums, amax = reference(*((dy, scale) if kind == "none" else (dy, z, scale)), kind=kind)
         return (q, q.T, sums, amax) if transposed else (q, sums, amax)
 
     return jax.jit(run)

@@ -5,9 +5,10 @@ delayed scale and writes it as E4M3 straight into the buffer the next GEMM reads
 amax of what it wrote for the next step's scale, and (GELU) its input z in bfloat16 for the
 backward: no activation or quantize kernel between the GEMMs. In the backward each dz is
 formed (dy times the activation's derivative at the aux), reduced and quantized to E5M2
-once for both of its layer's GEMMs (``_dense.quantized_grad``). cuBLASLt can apply GELU's derivative in the next
-layer's input-gradient GEMM instead (DGELU epilog, ``Policy.fp8_dgelu``), but with FP8
-operands it runs that epilog as a separate, slower kernel: see docs/decisions.md.
+once for both of its layer's GEMMs (``_dense.quantized_grad``). cuBLASLt can apply GELU's
+derivative in the next layer's input-gradient GEMM instead (DGELU epilog,
+``Policy.fp8_dgelu``), but with FP8 operands it runs that epilog as a separate, slower
+kernel: see docs/decisions.md.
 """
 
 from __future__ import annotations

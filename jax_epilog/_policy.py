@@ -122,6 +122,9 @@ class Policy:
         "from one Pallas pass (where its tile divides dz), not XLA's passes",
         "fp8-fused-dz",
     )
+    fp8_fused_dz_block: tuple[int, int] = _field(
+        (64, 128), "rows and columns of dz per program of that pass (powers of two)", "fp8-fused-dz"
+    )
     fp8_command_buffers: bool = _field(
         False,
         "XLA may capture the FP8 custom calls into its command buffers (False: they run outside)",

@@ -8,7 +8,7 @@ column maxima of |dz| (the amax); XLA sums those few rows. ``transposed=True`` a
 the E5M2 copy transposed (M contiguous), the layout the kernel-gradient GEMM reads on
 Hopper. XLA's own program for the same work is two passes over dz and a transpose.
 
-The tile must divide dz: ``fits`` says whether it does. ``interpret=True`` runs the kernel
+The tile (``Policy.fp8_fused_dz_block``) must divide dz: ``fits`` says whether it does. ``interpret=True`` runs the kernel
 through Pallas' interpreter (any backend), which the CPU tests use.
 """
 
@@ -23,9 +23,8 @@ import numpy as np
 
 from ._recipes import E5M2, fp8_max
 
-__all__ = ["BLOCK", "KINDS", "FusedDz", "column_sums_and_amax", "dz_of", "fits", "fused_dz", "gelu_slope"]
+__all__ = ["KINDS", "FusedDz", "column_sums_and_amax", "dz_of", "fits", "fused_dz", "gelu_slope"]
 
-BLOCK = (64, 128)  # (rows, columns) of dz per program; powers of two, as Triton wants
 KINDS = ("gelu", "relu", "none")  # the activation whose derivative dz takes
 
 _SQRT_2_OVER_PI = float(np.sqrt(2.0 / np.pi))
@@ -65,8 +64,9 @@ class FusedDz(NamedTuple):
     amax: jax.Array  # () float32: max |dz|
 
 
-def fits(shape, block=BLOCK) -> bool:
-    """Whether ``block`` tiles a dz of ``shape`` exactly."""
+def fits(shape, block) -> bool:
+    """Whether ``block`` (rows, columns: powers of two, as Triton wants) tiles a dz of
+    ``shape`` exactly."""
     (m, n), (bm, bn) = shape, block
     return m % bm == 0 and n % bn == 0
 
@@ -88,9 +88,10 @@ def _kernel(*refs, kind: str, limit: float, transposed: bool):
 
 
 @functools.partial(jax.jit, static_argnames=("kind", "block", "transposed", "interpret"))
-def fused_dz(dy, other, scale, *, kind: str, block=BLOCK, transposed=False, interpret=False) -> FusedDz:
+def fused_dz(dy, other, scale, *, kind: str, block, transposed=False, interpret=False) -> FusedDz:
     """dz of ``kind`` from dy (M, N) and ``other`` (GELU's z, at least N columns; ReLU's
-    y; None), quantized to E5M2 with the dequantization ``scale`` (a float32 scalar);
+    y; None), quantized to E5M2 with the dequantization ``scale`` (a float32 scalar), one
+    program per ``block`` of dz (``Policy.fp8_fused_dz_block`` in the library);
     ``fits(dy.shape, block)`` must hold."""
     from jax.experimental import pallas as pl  # (only where the kernel runs)
 

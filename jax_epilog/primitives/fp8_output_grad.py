@@ -3,16 +3,19 @@
 dy (M, N)[, GELU's z (M, >= N) or ReLU's y (M, N)] and dz's E5M2 dequantization scale give
 dz = dy * act'(.) in dy's dtype (``fp8._fused_dz.dz_of``) as [E5M2 dz / scale (M, N), its
 column sums (N,) float32, its amax () float32]. The CUDA lowering is one Pallas kernel
-(``fp8/_fused_dz.py``) where its tile divides dz; otherwise, and on the CPU, the same math
+(``fp8/_fused_dz.py``) where its tile (``Policy.fp8_fused_dz_block``) divides dz; otherwise, and on the CPU, the same math
 as XLA's passes (``reference``). The scale must be known before dz: delayed scaling.
 """
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from jax.interpreters import mlir
 
 from .._partition import Layout
+from .._policy import get_policy
 from .._typing import vary_alike
 from ..fp8._fused_dz import KINDS, column_sums_and_amax, dz_of, fits, fused_dz
 from ..fp8._quant import quantize
@@ -54,15 +57,19 @@ def reference(*args, kind):
     return [quantize(dz, E5M2, scale), *column_sums_and_amax(dz)]
 
 
-def _kernel(*args, kind):
+def _kernel(*args, kind, block):
     dy, scale = args[0], args[-1]
-    out = fused_dz(dy, None if kind == "none" else args[1], scale, kind=kind)
+    out = fused_dz(dy, None if kind == "none" else args[1], scale, kind=kind, block=block)
     return [out.data, out.column_sums, out.amax]
 
 
 def _cuda(ctx, *args, kind):
-    lowered = _kernel if fits(ctx.avals_in[0].shape) else reference
-    return mlir.lower_fun(lambda *a: lowered(*a, kind=kind), multiple_results=True)(ctx, *args)
+    block = tuple(get_policy().fp8_fused_dz_block)
+    if fits(ctx.avals_in[0].shape, block):
+        lowered = functools.partial(_kernel, kind=kind, block=block)
+    else:
+        lowered = functools.partial(reference, kind=kind)
+    return mlir.lower_fun(lowered, multiple_results=True)(ctx, *args)
 
 
 register(fp8_output_grad_p, results=_results, layout=_layout, reference=reference, cuda=_cuda, batch=None)

@@ -9,7 +9,8 @@ import pytest
 from jax_epilog import fp8
 from jax_epilog.fp8 import _fused_dz, _quant
 
-# M != N, several tiles each way (the kernel needs tiles that divide dz: 64 x 128 here)
+# M != N, several tiles each way (the kernel needs tiles that divide dz)
+BLOCK = (64, 128)
 SHAPES = [(192, 256), (128, 384)]
 E5_STEP = 0.25  # one E5M2 step: 2 mantissa bits
 
@@ -36,7 +37,7 @@ def _check_one_pass(kind, shape, dtype, interpret):
     rng = np.random.default_rng([len(kind), *shape])
     dy, other, scale = _inputs(rng, shape, dtype)
     other = None if kind == "none" else other
-    got = _fused_dz.fused_dz(dy, other, scale, kind=kind, transposed=True, interpret=interpret)
+    got = _fused_dz.fused_dz(dy, other, scale, kind=kind, block=BLOCK, transposed=True, interpret=interpret)
     dz, q = _reference(kind, dy, other, scale)
     data = np.asarray(got.data, np.float32)
     want = np.asarray(q, np.float32)
@@ -73,15 +74,16 @@ def test_the_aux_may_be_wider_than_dz():
     rng = np.random.default_rng(3)
     dy, z, scale = _inputs(rng, (128, 128), jnp.bfloat16)
     wider = jnp.concatenate([z, jnp.full((128, 128), jnp.nan, z.dtype)], axis=1)
-    got = _fused_dz.fused_dz(dy, wider, scale, kind="gelu", interpret=True)
-    want = _fused_dz.fused_dz(dy, z, scale, kind="gelu", interpret=True)
+    got = _fused_dz.fused_dz(dy, wider, scale, kind="gelu", block=BLOCK, interpret=True)
+    want = _fused_dz.fused_dz(dy, z, scale, kind="gelu", block=BLOCK, interpret=True)
     np.testing.assert_array_equal(np.asarray(got.data, np.float32), np.asarray(want.data, np.float32))
 
 
 def test_a_shape_the_tile_does_not_divide_is_refused():
-    assert _fused_dz.fits((192, 256)) and not _fused_dz.fits((200, 256)) and not _fused_dz.fits((192, 250))
+    assert _fused_dz.fits((192, 256), BLOCK) and not _fused_dz.fits((200, 256), BLOCK)
+    assert not _fused_dz.fits((192, 250), BLOCK)
     dy = jnp.ones((100, 128), jnp.bfloat16)
     with pytest.raises(
         ValueError, match=r"fused_dz: block \(64, 128\) does not tile dz of shape \(100, 128\)"
     ):
-        _fused_dz.fused_dz(dy, None, jnp.float32(1), kind="none", interpret=True)
+        _fused_dz.fused_dz(dy, None, jnp.float32(1), kind="none", block=BLOCK, interpret=True)

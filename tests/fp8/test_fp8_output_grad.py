@@ -10,18 +10,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import layer_inputs
 
 import jax_epilog as je
 from jax_epilog import fp8
 from jax_epilog.primitives.fp8_output_grad import fp8_output_grad
 
 PRIMITIVE = "jax_epilog_fp8_output_grad"
-
-
-def _layer(rng, m, k, n):
-    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-    w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.bfloat16)
-    return x, w, jnp.asarray(rng.standard_normal(n) * 0.3, jnp.bfloat16)
 
 
 def _dense_grads(x, w, b, state, activation):
@@ -44,7 +39,7 @@ def _assert_same(got, want):
 
 @pytest.mark.parametrize("activation", [None, "relu", "gelu"])
 def test_the_one_pass_gives_the_default_paths_gradients(rng, activation):
-    x, w, b = _layer(rng, 67, 40, 52)
+    x, w, b = layer_inputs(rng, 67, 40, 52, jnp.bfloat16)
     state = _trained_state(x, w, b, activation, fp8.DelayedScaling(history_length=3))
     want = _dense_grads(x, w, b, state, activation)
     with je.override_policy(fp8_fused_dz=True):
@@ -56,7 +51,7 @@ def test_the_one_pass_gives_the_default_paths_gradients(rng, activation):
 
 
 def test_current_scaling_keeps_xlas_passes(rng):
-    x, w, b = _layer(rng, 33, 24, 40)
+    x, w, b = layer_inputs(rng, 33, 24, 40, jnp.bfloat16)
     state = fp8.init(fp8.CurrentScaling())
     loss = lambda x: je.fused_dense(x, w, b, activation="gelu", fp8=state)[0].astype(jnp.float32).sum()
     with je.override_policy(fp8_fused_dz=True):
@@ -109,7 +104,7 @@ def test_explicit_sharding_types_the_gradients_as_their_primals(rng):
     from jax.sharding import NamedSharding, PartitionSpec
 
     mesh = explicit_mesh_2x2()
-    x, w, b = _layer(rng, 4 * 9, 2 * 20, 2 * 24)
+    x, w, b = layer_inputs(rng, 4 * 9, 2 * 20, 2 * 24, jnp.bfloat16)
     specs = (("data",), (None, "model"), ("model",))
     args = [jax.device_put(v, NamedSharding(mesh, PartitionSpec(*s))) for v, s in zip((x, w, b), specs)]
     state = _trained_state(x, w, b, "gelu", fp8.DelayedScaling())
@@ -131,7 +126,7 @@ def test_a_bad_kind_is_refused():
 def test_the_pallas_pass_gives_the_default_paths_gradients_on_a_gpu(rng, activation):
     """At a shape the kernel's tile divides (dz 256 x 384); E5M2 values may sit one step
     apart where GELU's slope cancels, so the gradients agree to a few per cent."""
-    x, w, b = _layer(rng, 256, 200, 384)
+    x, w, b = layer_inputs(rng, 256, 200, 384, jnp.bfloat16)
     state = _trained_state(x, w, b, activation, fp8.DelayedScaling())
     want = _dense_grads(x, w, b, state, activation)
     with je.override_policy(fp8_fused_dz=True):

@@ -117,7 +117,7 @@ class Policy:
         "fp8-dgelu",
     )
     fp8_fused_dz: bool = _field(
-        False,
+        True,
         "under delayed scaling an FP8 layer's dz, its E5M2 copy, bias gradient and amax come "
         "from one Pallas pass (where its tile divides dz), not XLA's passes",
         "fp8-fused-dz",

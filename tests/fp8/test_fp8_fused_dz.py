@@ -1,7 +1,9 @@
-"""The one-pass FP8 output gradient (``fp8/_fused_dz.py``, a Pallas kernel run through the
-interpreter here) against XLA's passes: dz = dy * act'(.), its E5M2 copy and transpose, its
-column sums and amax."""
+"""The one-pass FP8 output gradient (``fp8/_fused_dz.py``, a Pallas kernel, through the
+interpreter on the CPU and through Triton on a GPU) against XLA's passes run on the CPU,
+which round as ml_dtypes does: dz = dy * act'(.), its E5M2 copy and transpose, its column
+sums and amax."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -29,7 +31,9 @@ def _reference(kind, dy, other, scale):
 def _inputs(rng, shape, dtype):
     dy = jnp.asarray(rng.standard_normal(shape) * 3, dtype)
     other = jnp.asarray(rng.standard_normal(shape) * 2, dtype)
-    scale = jnp.float32(np.abs(np.asarray(dy, np.float32)).max() / 40000)  # near E5M2's top
+    # the largest |dy| a little past E5M2's top (57344): the top binade, where one step is
+    # 8192, and saturation are both exercised
+    scale = jnp.float32(np.abs(np.asarray(dy, np.float32)).max() / 60000)
     return dy, other, scale
 
 
@@ -38,18 +42,21 @@ def _check_one_pass(kind, shape, dtype, interpret):
     dy, other, scale = _inputs(rng, shape, dtype)
     other = None if kind == "none" else other
     got = _fused_dz.fused_dz(dy, other, scale, kind=kind, block=BLOCK, transposed=True, interpret=interpret)
-    dz, q = _reference(kind, dy, other, scale)
+    dz, q = _reference(kind, *jax.device_put((dy, other, scale), jax.devices("cpu")[0]))
     data = np.asarray(got.data, np.float32)
     want = np.asarray(q, np.float32)
     assert got.data.dtype == fp8.E5M2 and got.data_t.shape == shape[::-1]
     np.testing.assert_array_equal(np.asarray(got.data_t, np.float32), data.T)
-    # GELU's slope near its tail cancels (0.5 * (1 + tanh) with tanh near -1): the two
-    # programs' float32 rounding may put a value one E5M2 step apart, or, for values a
-    # millionth of the largest, a little more; nothing further.
     apart = data != want
-    assert apart.mean() <= 0.01
-    slack = E5_STEP * np.abs(want) + 1e-6 * np.abs(want).max()
-    assert np.all(np.abs(data - want)[apart] <= slack[apart])
+    if kind != "gelu":
+        assert not apart.any()
+    else:
+        # float32 resolves GELU's slope to a few 1e-7 near its tail (tanh near -1, times
+        # about z cubed there): the kernel's tanh and XLA's may put a value one E5M2 step
+        # apart, or, where the slope is under about 1e-5, by up to |dy| * 3e-5; no further.
+        assert apart.mean() <= 0.01
+        slack = E5_STEP * np.abs(want) + 3e-5 * np.abs(np.asarray(dy, np.float32)) / float(scale)
+        assert np.all(np.abs(data - want)[apart] <= slack[apart])
     wide = np.asarray(dz, np.float32)
     np.testing.assert_allclose(got.column_sums, wide.sum(0), rtol=1e-3, atol=1e-3 * np.abs(wide).max())
     np.testing.assert_allclose(got.amax, np.abs(wide).max(), rtol=1e-2)
@@ -64,8 +71,9 @@ def test_one_pass_matches_xlas_passes(kind, shape, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["gelu", "none"])
-def test_the_compiled_kernel_matches_xlas_passes(kind):
-    """Through Triton on the GPU, at a shape of several tiles each way."""
+def test_the_compiled_kernel_matches_the_emulation(kind):
+    """Through Triton on the GPU, at a shape of several tiles each way, against XLA's
+    passes on the CPU."""
     _check_one_pass(kind, (512, 768), jnp.bfloat16, interpret=False)
 
 

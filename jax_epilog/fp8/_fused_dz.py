@@ -8,8 +8,9 @@ column maxima of |dz| (the amax); XLA sums those few rows. ``transposed=True`` a
 the E5M2 copy transposed (M contiguous), the layout the kernel-gradient GEMM reads on
 Hopper. XLA's own program for the same work is two passes over dz and a transpose.
 
-The tile (``Policy.fp8_fused_dz_block``) must divide dz: ``fits`` says whether it does. ``interpret=True`` runs the kernel
-through Pallas' interpreter (any backend), which the CPU tests use.
+The tile (``Policy.fp8_fused_dz_block``) must divide dz: ``fits`` says whether it does.
+``interpret=True`` runs the kernel through Pallas' interpreter (any backend), which the CPU
+tests use.
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
 dy (M, N)[, GELU's z (M, >= N) or ReLU's y (M, N)] and dz's E5M2 dequantization scale give
 dz = dy * act'(.) in dy's dtype (``fp8._fused_dz.dz_of``) as [E5M2 dz / scale (M, N), its
 column sums (N,) float32, its amax () float32]. The CUDA lowering is one Pallas kernel
-(``fp8/_fused_dz.py``) where its tile (``Policy.fp8_fused_dz_block``) divides dz; otherwise, and on the CPU, the same math
-as XLA's passes (``reference``). The scale must be known before dz: delayed scaling.
+(``fp8/_fused_dz.py``) where its tile (``Policy.fp8_fused_dz_block``) divides dz;
+otherwise, and on the CPU, the same math as XLA's passes (``reference``). The scale must
+be known before dz: delayed scaling.
 """
 
 from __future__ import annotations

@@ -298,18 +298,12 @@ class _Handler:
     def _decode_spec(frame: int) -> EpilogSpec:
         """The problem from the call's attributes (once per problem, in a new process)."""
         f = frame >> 3
-        names, attrs, types = (
-            _WORDS[f + _F_ATTR_NAMES] >> 3,
-            _WORDS[f + _F_ATTRS] >> 3,
-            _WORDS[f + _F_ATTR_TYPES],
-        )
+        names, attrs = _WORDS[f + _F_ATTR_NAMES] >> 3, _WORDS[f + _F_ATTRS] >> 3
+        types = _WORDS[f + _F_ATTR_TYPES]
         decoded = {}
         for i in range(_WORDS[f + _F_NATTRS]):
-            name, kind, value = (
-                _span(_WORDS[names + i]).decode(),
-                _i32.from_address(types + 4 * i).value,
-                _WORDS[attrs + i],
-            )
+            name, value = _span(_WORDS[names + i]).decode(), _WORDS[attrs + i]
+            kind = _i32.from_address(types + 4 * i).value
             if kind == _ATTR_STRING:
                 decoded[name] = _span(value).decode()
             elif kind == _ATTR_SCALAR:  # every scalar attribute here is an int64

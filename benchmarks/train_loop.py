@@ -1,92 +1,162 @@
-"""The example's train steps timed as training loops run them, in two ways.
+"""The example's train steps timed as training loops run them, in three ways.
 
     python -m benchmarks.train_loop [--size large] [--fp8] [--variant KEY:FIELD=VALUE ...]
         [--chunks 7] [--steps 10]
 
 Each model of ``examples/train_transformer_mlp.py`` (``--fp8``: nn.Dense, our bfloat16 and
-FP8 layers, Flax's FP8) trains on a fresh batch every step (8 batches made beforehand, in
-turn), as a real loop does: new input buffers each step. Two timings, each the median of
-``--chunks`` chunks of ``--steps`` steps, the models' chunks taken in turns:
+FP8 layers, Flax's FP8) trains on a new batch every step, as a real loop does: new input
+buffers each step. Three timings, each the median of ``--chunks`` chunks of ``--steps``
+steps, the models' chunks taken in turns:
 
-* ``loop``: the steps dispatched back to back, waited for at the end of the chunk (a loop
-  that reads its metrics every few steps);
-* ``sync``: every step waited for, as the example times it (a loop that reads the loss at
-  every step). The host's time per step (dispatch, XLA re-recording its command buffers
-  for new buffer addresses) shows here and hides behind the GPU in ``loop``.
+* ``loop``: the steps dispatched back to back on 8 batches made beforehand, waited for at
+  the end of the chunk (a loop that reads its metrics every few steps);
+* ``sync``: the same, every step waited for (a loop that reads the loss at every step).
+  The host's time per step (dispatch, the FFI handler, XLA re-recording its command
+  buffers for new buffer addresses) shows here and hides behind the GPU in ``loop``;
+* ``fresh``: a batch made just before each step, then the step waited for: the example's
+  own timing, whose batches never repeat an address set.
+
+Beside them, per step: the host's time until the step call returned in ``loop`` (the
+dispatch), and the FFI handler's runs and host time in ``sync`` and ``fresh``
+(``jax_epilog.cuda.ffi.recording``); after the table, each plan that dropped graphs or
+stopped replaying (docs/decisions.md#replay). Where the handler's time or its runs grow
+from ``sync`` to ``fresh``, the host pays for the new addresses.
 
 ``--variant mlp_fp8:fp8_command_buffers=True`` adds a model traced under a changed
-``jax_epilog.Policy`` field (docs/decisions.md). The numbers behind
-docs/decisions.md#fp8-command-buffers come from this.
+``jax_epilog.Policy`` field (docs/decisions.md); ``dense:xla_gpu_enable_command_buffer=``
+one whose train step XLA compiles with that option (here: no command buffers). The
+numbers behind docs/decisions.md#fp8-command-buffers come from this.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
+import time
+from typing import NamedTuple
 
 import jax
 
-from benchmarks.common import policy, policy_changes
-from benchmarks.timing import WallClock, waited_us
+from benchmarks.common import current_plans, policy, policy_changes, replay_states
+from benchmarks.timing import waited_us
 from benchmarks.training import load_example
+from jax_epilog.cuda.ffi import recording
 
 BATCHES = 8
 
 
 def parse_variant(text: str) -> tuple[str, dict]:
-    """``"mlp_fp8:fp8_command_buffers=True"`` -> ``("mlp_fp8", {"fp8_command_buffers": True})``."""
+    """``"mlp_fp8:fp8_command_buffers=True"`` -> ``("mlp_fp8", {"fp8_command_buffers": True})``.
+    A comma starts a new field only where an ``=`` follows: an XLA option's list value
+    (``xla_gpu_enable_command_buffer=FUSION,CUBLAS``) stays whole."""
     key, sep, changes = text.partition(":")
     if not sep:
         raise ValueError(f"--variant wants KEY:FIELD=VALUE[,FIELD=VALUE], got {text!r}")
-    return key, policy_changes(changes.split(","))
+    fields: list[str] = []
+    for piece in changes.split(","):
+        if "=" in piece or not fields:
+            fields.append(piece)
+        else:
+            fields[-1] += "," + piece
+    return key, policy_changes(fields)
 
 
 def prepare(example, args, key: str, changes: dict, warmup: int = 3):
-    """(run, batches): the model ``key`` set up, compiled and warmed up under ``changes``."""
-    with policy(changes):
+    """(run, batches): the model ``key`` set up, compiled and warmed up under ``changes``:
+    ``jax_epilog.Policy`` fields, and XLA options (``xla_*``) that its train step is
+    compiled with (``jax.stages.Lowered.compile``'s ``compiler_options``)."""
+    options = {name: value for name, value in changes.items() if name.startswith("xla_")}
+    with policy({name: value for name, value in changes.items() if name not in options}):
         run = example.setup(args, key)
         batches = [jax.block_until_ready(run.batch(i)) for i in range(BATCHES)]
+        if options:
+            run.train_step = run.lower(*batches[0]).compile(options)
         for i in range(warmup):
             jax.block_until_ready(run.step(*batches[i % BATCHES]))
     return run, batches
 
 
-def time_loop(run, batches, steps: int) -> float:
-    """µs per step, the steps dispatched back to back and waited for once."""
-    clock = WallClock()
-    clock.start()
+class Chunk(NamedTuple):
+    """One chunk of steps, per step: wall µs, host µs until the step calls returned, and
+    the FFI handler's runs and host µs."""
+
+    us: float
+    dispatch_us: float
+    handler_runs: float
+    handler_us: float
+
+
+def time_loop(run, batches, steps: int) -> tuple[float, float]:
+    """(µs per step, dispatch µs per step): the steps dispatched back to back, waited for once."""
+    start = time.perf_counter()
     for i in range(steps):
         loss = run.step(*batches[i % BATCHES])
-    return 1e6 * clock.stop(loss) / steps
+    dispatched = time.perf_counter()
+    jax.block_until_ready(loss)
+    return 1e6 * (time.perf_counter() - start) / steps, 1e6 * (dispatched - start) / steps
 
 
-def time_sync(run, batches, steps: int) -> float:
-    """µs per step (median), each step waited for."""
-    return waited_us(lambda i: run.step(*batches[i % BATCHES]), steps)
+def time_sync(run, batches, steps: int) -> tuple[float, float]:
+    """(median µs per step, nan): each step waited for."""
+    return waited_us(lambda i: run.step(*batches[i % BATCHES]), steps), math.nan
 
 
-def measure(prepared: dict, chunks: int, steps: int) -> dict[str, dict[str, float]]:
-    """{mode: {label: median µs per step}}, the models' chunks in turns."""
+def time_fresh(run, batches, steps: int) -> tuple[float, float]:
+    """(median µs per step, nan): a new batch made and waited for, then the step waited for
+    (the example's ``_timed_step``)."""
+    times = []
+    for i in range(steps):
+        x, y = jax.block_until_ready(run.batch(BATCHES + i))
+        start = time.perf_counter()
+        jax.block_until_ready(run.step(x, y))
+        times.append(1e6 * (time.perf_counter() - start))
+    return statistics.median(times), math.nan
+
+
+TIMERS = {"loop": time_loop, "sync": time_sync, "fresh": time_fresh}
+
+
+def time_chunk(timer, run, batches, steps: int) -> Chunk:
+    with recording() as handler:
+        us, dispatch_us = timer(run, batches, steps)
+    return Chunk(us, dispatch_us, handler.calls / steps, handler.busy_ns / 1e3 / steps)
+
+
+def measure(prepared: dict, chunks: int, steps: int) -> dict[str, dict[str, Chunk]]:
+    """{mode: {label: the median of each Chunk field}}, the models' chunks in turns."""
     out = {}
-    for mode, timer in (("loop", time_loop), ("sync", time_sync)):
+    for mode, timer in TIMERS.items():
         samples = {label: [] for label in prepared}
         for _ in range(chunks):
             for label, (run, batches) in prepared.items():
-                samples[label].append(timer(run, batches, steps))
-        out[mode] = {label: statistics.median(s) for label, s in samples.items()}
+                samples[label].append(time_chunk(timer, run, batches, steps))
+        out[mode] = {label: Chunk(*map(statistics.median, zip(*s))) for label, s in samples.items()}
     return out
 
 
-def render(title: str, results: dict[str, dict[str, float]], base: str) -> str:
-    loop, sync = results["loop"], results["sync"]
-    width = max(len(label) for label in loop)
-    lines = [title, f"{'model':{width}s} {'loop µs':>9s} {'vs base':>8s} {'sync µs':>9s} {'vs base':>8s}"]
-    for label in loop:
+def render(title: str, results: dict[str, dict[str, Chunk]], base: str) -> str:
+    """The table: each mode's µs per step and speed over ``base``, the dispatch, and the
+    handler's runs / host µs per step in sync and fresh."""
+    width = max(len(label) for label in results["loop"])
+    head = "".join(f"{mode + ' µs':>9s} {'vs base':>8s}" for mode in TIMERS)
+    lines = [title, f"{'model':{width}s}{head} {'dispatch':>9s} {'handler sync':>14s} {'fresh':>11s}"]
+    for label in results["loop"]:
+        row = "".join(f"{r[label].us:9.0f} {r[base].us / r[label].us:7.2f}×" for r in results.values())
+        handler = [
+            f"{r[label].handler_runs:.1f}/{r[label].handler_us:.0f}"
+            for r in map(results.get, ("sync", "fresh"))
+        ]
         lines.append(
-            f"{label:{width}s} {loop[label]:9.0f} {loop[base] / loop[label]:7.2f}× "
-            f"{sync[label]:9.0f} {sync[base] / sync[label]:7.2f}×"
+            f"{label:{width}s}{row} {results['loop'][label].dispatch_us:9.0f} {handler[0]:>14s} {handler[1]:>11s}"
         )
     return "\n".join(lines)
+
+
+def dropping_plans() -> list[str]:
+    """Each plan that dropped replay graphs or stopped replaying, as "plan: state"."""
+    plans = [p for p in current_plans() if p.replay_stats[1] or not p.replay_stats[2]]
+    return [f"{name}: {state}" for name, state in replay_states(plans).items()]
 
 
 def main(argv=None) -> dict:
@@ -114,6 +184,13 @@ def main(argv=None) -> dict:
         f"of {args.chunks} chunks of {args.steps} steps; base: nn.Dense"
     )
     print(render(title, results, "nn.Dense"), flush=True)
+    print("dispatch: host µs per step in loop; handler: its runs / host µs per step")
+    drops = dropping_plans()
+    print(
+        "\n".join(["plans that dropped replay graphs:", *drops])
+        if drops
+        else "no plan dropped a replay graph"
+    )
     return results
 
 

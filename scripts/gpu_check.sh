@@ -9,13 +9,15 @@
 #   fp8/          with FP8=1: cuBLASLt's FP8 acceptance (fp8_epilogs.md), the FP8 benchmark
 #                 (fp8.json), the FP8 training example (example.log, train_fp8.png), the
 #                 kernel times of the mid-size block and the example's step (kernels.txt)
-#   loop.txt      with LOOP_VARIANTS: the FP8 example's steps timed as loops run them
+#   loop.txt      with LOOP=1 or LOOP_VARIANTS: the FP8 example's steps timed as loops run
+#                 them, with the host's share (dispatch, the FFI handler's runs and time)
 # Knobs: OUT (default /tmp/jax_epilog_gpu_check), TESTS (pytest arguments, default
 # "-m gpu tests/"), PROBES (benchmarks.probes modules, e.g. "ensemble refusals"),
 # SKIP_BENCH=1, FORWARD_LABELS (default "cmdbuf-off cmdbuf-on"), SKIP_TRAINING=1, FP8=1
 # (FP8 only: TESTS="-m gpu tests/fp8 tests/primitives/test_fp8_gemm.py" SKIP_BENCH=1 FP8=1),
-# LOOP_VARIANTS (benchmarks.train_loop --fp8's --variant entries, e.g.
-# "mlp_fp8:fp8_command_buffers=True"; its table in loop.txt).
+# LOOP=1, LOOP_VARIANTS (benchmarks.train_loop --fp8's --variant entries, e.g.
+# "mlp_fp8:fp8_command_buffers=True mlp_fp8:xla_gpu_enable_command_buffer="; its table in
+# loop.txt).
 # The whole test suite on a GPU takes several minutes: run it on its own
 # (TESTS=tests/ SKIP_BENCH=1) where a call has a time limit.
 set -uo pipefail
@@ -59,10 +61,10 @@ if [ "${FP8:-0}" = 1 ]; then
   grep "µs of kernels" "$OUT/fp8/kernels.txt"
 fi
 
-if [ -n "${LOOP_VARIANTS:-}" ]; then
+if [ "${LOOP:-0}" = 1 ] || [ -n "${LOOP_VARIANTS:-}" ]; then
   # shellcheck disable=SC2086
-  python3 -m benchmarks.train_loop --fp8 --variant $LOOP_VARIANTS >"$OUT/loop.txt" 2>&1 || status=1
-  tail -n 8 "$OUT/loop.txt"
+  python3 -m benchmarks.train_loop --fp8 ${LOOP_VARIANTS:+--variant $LOOP_VARIANTS} >"$OUT/loop.txt" 2>&1 || status=1
+  grep -A20 "^train_transformer_mlp" "$OUT/loop.txt"
 fi
 
 if [ "${SKIP_BENCH:-0}" != 1 ]; then

@@ -6,7 +6,6 @@ import jax.numpy as jnp
 import pytest
 
 from benchmarks import train_loop
-from benchmarks.training import load_example
 from jax_epilog import get_policy
 
 
@@ -22,21 +21,39 @@ def test_variants_parse_into_policy_changes():
     }
 
 
-@pytest.fixture(scope="module")
-def small():
-    example = load_example()
-    return example, example.parse_args(["--size", "small"])
+class _TinyRun:
+    """A stand-in for the example's ``Run``: a jitted step on a carried state."""
+
+    def __init__(self):
+        self.train_step = jax.jit(lambda v, x, y: (v + jnp.sum(x * y), jnp.sum(x)))
+        self.v = jnp.zeros(())
+        self.policy_seen = get_policy()
+
+    def batch(self, i):
+        return jnp.full((5,), float(i)), jnp.ones(5)
+
+    def lower(self, x, y):
+        return self.train_step.lower(self.v, x, y)
+
+    def step(self, x, y):
+        self.v, loss = self.train_step(self.v, x, y)
+        return loss
 
 
-def test_xla_options_reach_the_compiler_of_that_models_step_alone(small):
-    example, args = small
+class _Example:
+    def setup(self, args, key):
+        return _TinyRun()
+
+
+def test_xla_options_reach_the_compiler_of_that_models_step_alone():
     changes = {"xla_gpu_enable_command_buffer": "", "auto_min_rows": 4096}
-    run, batches = train_loop.prepare(example, args, "dense", changes, warmup=1)
+    run, batches = train_loop.prepare(_Example(), None, "dense", changes, warmup=2)
     assert isinstance(run.train_step, jax.stages.Compiled) and len(batches) == train_loop.BATCHES
-    assert get_policy().auto_min_rows != 4096  # the policy field held while it was traced only
+    assert run.policy_seen.auto_min_rows == 4096 != get_policy().auto_min_rows  # while set up only
+    assert float(run.v) == 5 * (0 + 1)  # the compiled step ran the warm-up steps
     with pytest.raises(Exception, match="not a valid enum value"):
-        train_loop.prepare(example, args, "dense", {"xla_gpu_enable_command_buffer": "BOGUS"}, warmup=1)
-    plain, _ = train_loop.prepare(example, args, "dense", {}, warmup=1)
+        train_loop.prepare(_Example(), None, "dense", {"xla_gpu_enable_command_buffer": "BOGUS"})
+    plain, _ = train_loop.prepare(_Example(), None, "dense", {})
     assert not isinstance(plain.train_step, jax.stages.Compiled)
 
 

@@ -13,8 +13,8 @@ steps, the models' chunks taken in turns:
 * ``sync``: the same, every step waited for (a loop that reads the loss at every step).
   The host's time per step (dispatch, the FFI handler, XLA re-recording its command
   buffers for new buffer addresses) shows here and hides behind the GPU in ``loop``;
-* ``fresh``: a batch made just before each step, then the step waited for: the example's
-  own timing, whose batches never repeat an address set.
+* ``fresh``: a batch made anew just before each step, then the step waited for: the
+  example's own timing.
 
 Beside them, per step: the host's time until the step call returned in ``loop`` (the
 dispatch), and the FFI handler's runs and host time in ``sync`` and ``fresh``

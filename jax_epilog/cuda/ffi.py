@@ -35,16 +35,8 @@ import numpy as np
 from .._epilogs import EpilogSpec, check_buffers
 from .._fp8_spec import Fp8Spec, check_fp8_buffers
 
-__all__ = [
-    "EAGER_TARGET_NAME",
-    "EXPORT_CHECKS",
-    "TARGET_NAME",
-    "HandlerStats",
-    "call",
-    "ensure_registered",
-    "prepare",
-    "recording",
-]
+__all__ = ["EAGER_TARGET_NAME", "EXPORT_CHECKS", "TARGET_NAME", "HandlerStats", "call", "ensure_registered",
+           "prepare", "recording"]  # fmt: skip
 
 TARGET_NAME = "jax_epilog_fused_matmul"
 EAGER_TARGET_NAME = "jax_epilog_fused_matmul_eager"  # the same handler, outside command buffers

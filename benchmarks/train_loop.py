@@ -39,7 +39,7 @@ from typing import NamedTuple
 import jax
 
 from benchmarks.common import current_plans, policy, policy_changes, replay_states
-from benchmarks.timing import waited_us
+from benchmarks.timing import WallClock, waited_us
 from benchmarks.training import load_example
 from jax_epilog.cuda.ffi import recording
 
@@ -105,12 +105,11 @@ def time_sync(run, batches, steps: int) -> tuple[float, float]:
 def time_fresh(run, batches, steps: int) -> tuple[float, float]:
     """(median µs per step, nan): a new batch made and waited for, then the step waited for
     (the example's ``_timed_step``)."""
-    times = []
+    clock, times = WallClock(), []
     for i in range(steps):
         x, y = jax.block_until_ready(run.batch(BATCHES + i))
-        start = time.perf_counter()
-        jax.block_until_ready(run.step(x, y))
-        times.append(1e6 * (time.perf_counter() - start))
+        clock.start()
+        times.append(1e6 * clock.stop(run.step(x, y)))
     return statistics.median(times), math.nan
 
 
